@@ -65,8 +65,8 @@ def masked_mean(x, mask, dim=None):
     """Mean of x over real positions only (all of them, or along `dim`)."""
     m = mask.bool()                                     # same shape as x
     # torch.where rather than x * mask: a NaN or inf sitting in a padded position stays out.
-    total = torch.where(m, x, torch.zeros_like(x)).sum() if dim is None \
-        else torch.where(m, x, torch.zeros_like(x)).sum(dim)
+    kept = torch.where(m, x, torch.zeros_like(x))      # same shape as x, 0 on padding
+    total = kept.sum() if dim is None else kept.sum(dim)
     count = m.sum() if dim is None else m.sum(dim)      # scalar, or x's shape without `dim`
     if (count == 0).any():
         raise ValueError("masked_mean: the mask selects no position, so the mean is undefined.")

@@ -83,6 +83,11 @@ def load_adapter(model, path):
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise ValueError(f"{path}: adapter does not match the model "
                          f"(missing {missing[:3]}..., unexpected {extra[:3]}...)")
+    own = adapter_state(model)
+    wrong = [n for n in state if state[n].shape != own[n].shape]
+    if wrong:
+        raise ValueError(f"{path}: adapter does not match the model ({wrong[0]} has shape "
+                         f"{tuple(state[wrong[0]].shape)}, the model {tuple(own[wrong[0]].shape)})")
     model.load_state_dict(state, strict=False)
     return model
 

@@ -13,7 +13,6 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gae import (GAMMA, LAM, AdaptiveKLController, advantages_and_returns,  # noqa: E402
                  kl_per_token, last_token_index, masked_mean, response_mask,
                  shaped_rewards, update_beta, whiten)
