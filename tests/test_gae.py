@@ -7,13 +7,11 @@ eq. (6) as a direct double sum, the telescoped return at gamma = lambda = 1, del
 lambda = 0, and the exact KL of a small categorical. Everything else is imported.
 """
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-from gae import (GAMMA, LAM, AdaptiveKLController, advantages_and_returns,  # noqa: E402
+from gae import (GAMMA, LAM, AdaptiveKLController, advantages_and_returns,
                  kl_per_token, last_token_index, masked_mean, response_mask,
                  shaped_rewards, update_beta, whiten)
 
