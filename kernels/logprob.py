@@ -181,7 +181,7 @@ if triton is not None:
             e = tl.exp(z - shift)                            # 0 for the -inf entries
             alpha = tl.exp(m - shift)                        # rescales the old sums to m_new
             s = s * alpha + tl.sum(e, axis=0)
-            u = u * alpha + tl.sum(tl.where(e > 0, e * z, 0.0), axis=0)  # 0 * -inf is no term
+            u = u * alpha + tl.sum(e * tl.where(e > 0, z, 0.0), axis=0)  # no 0 * -inf = nan
             m = m_new
         lse = m + tl.log(s)
         a = tl.load(actions_ptr + row)
@@ -221,7 +221,7 @@ if triton is not None:
             p = tl.exp(log_p)
             # g (1[j = a] - p_j) - h p_j (log p_j + H), with p_j = 0 giving 0, not 0 * -inf
             dz = tl.where(cols == a, g, 0.0) - g * p
-            dz -= h * tl.where(p > 0, p * (log_p + H), 0.0)
+            dz -= h * p * tl.where(p > 0, log_p + H, 0.0)
             dx = dz * inv_temperature
             tl.store(out_ptr + cols, dx.to(grad_logits_ptr.dtype.element_ty), mask=cols < V)
 

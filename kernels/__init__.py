@@ -1,0 +1,83 @@
+"""kernels: fused ops for the PPO step, each a Triton kernel with a PyTorch fallback.
+
+    gather_log_probs(logits, actions, temperature=1.0, return_entropy=False)
+        log softmax(logits / temperature) at actions, fp32: the post's `token_log_probs` without
+        the (rows, V) log-prob tensor. (kernels/logprob.py)
+    gather_log_probs_from_hidden(hidden, lm_head_weight, actions, temperature=1.0,
+                                 return_entropy=False)
+        the same from the last hidden state, never holding the (rows, V) logits; what ppo.py's
+        training forward uses on every backend. (kernels/fused_linear.py)
+    masked_clipped_loss(logp, logp_old, adv, mask, clip=0.2) -> (loss, {"clipfrac", "approx_kl"})
+        eq. (8)-(10) over real tokens, summed over tokens and averaged over sequences as the
+        post's `ppo_losses` does. (kernels/clipped_loss.py)
+    set_backend("auto" | "triton" | "torch") -> the previous backend name
+
+The backend is chosen here and nowhere else. "auto" (the default) runs the Triton kernels on CUDA
+tensors and the PyTorch fallback everywhere else (CPU, MPS); "triton" forces the kernels (on the
+CPU they then need TRITON_INTERPRET=1 set before `import kernels`, which is how the tests run
+them); "torch" forces the fallback. The environment variable RLHF_KERNELS_BACKEND sets the
+starting value. Both paths compute the same quantities with fp32 accumulation and are tested
+against one float64 oracle, so switching backend never changes what a function means.
+
+Triton is optional: without it (macOS) everything runs on the fallback and
+set_backend("triton") raises.
+
+Test:  python -m pytest -q tests/test_kernels.py
+Bench: python kernels/bench.py
+"""
+import os
+
+from . import clipped_loss, fused_linear, logprob
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = "auto"
+
+
+def set_backend(name):
+    """Choose "auto", "triton" or "torch" for every function below; returns the previous one."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r} (check "
+                         f"RLHF_KERNELS_BACKEND)")
+    if name == "triton" and logprob.triton is None:
+        raise RuntimeError("set_backend('triton'): Triton is not installed (pip install triton, "
+                           "on Linux with a CUDA GPU); 'auto' or 'torch' run the PyTorch fallback")
+    previous, _backend = _backend, name
+    return previous
+
+
+def _resolve(tensor):
+    """The one place a backend is picked: 'triton' or 'torch' for this input."""
+    if _backend == "auto":
+        return "triton" if tensor.is_cuda and logprob.triton is not None else "torch"
+    return _backend
+
+
+def gather_log_probs(logits, actions, temperature=1.0, return_entropy=False):
+    """log softmax(logits / temperature) gathered at actions: (..., V), (...) -> (...) fp32.
+    With return_entropy=True returns (logp, entropy), both differentiable in logits."""
+    return logprob.gather_log_probs(logits, actions, temperature, return_entropy,
+                                    backend=_resolve(logits))
+
+
+def gather_log_probs_from_hidden(hidden, lm_head_weight, actions, temperature=1.0,
+                                 return_entropy=False):
+    """gather_log_probs(hidden @ lm_head_weight.T, actions, ...) without the (rows, V) logits:
+    (..., H), (V, H), (...) -> (...) fp32, differentiable in hidden (and the weight if it needs
+    grad)."""
+    return fused_linear.gather_log_probs_from_hidden(hidden, lm_head_weight, actions, temperature,
+                                                     return_entropy, backend=_resolve(hidden))
+
+
+def masked_clipped_loss(logp, logp_old, adv, mask, clip=0.2):
+    """(loss, {"clipfrac", "approx_kl"}) of eq. (8)-(10) over the tokens where mask is 1:
+    loss = -(1/B) sum_{b,t} mask_bt min(r A, clip(r, 1-eps, 1+eps) A), differentiable in logp;
+    the stats are detached 0-d fp32 tensors, means over real tokens (0 if there are none)."""
+    return clipped_loss.masked_clipped_loss(logp, logp_old, adv, mask, clip,
+                                            backend=_resolve(logp))
+
+
+set_backend(os.environ.get("RLHF_KERNELS_BACKEND", "auto"))
+
+__all__ = ["gather_log_probs", "gather_log_probs_from_hidden", "masked_clipped_loss",
+           "set_backend"]

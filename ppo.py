@@ -1,0 +1,753 @@
+"""RLHF with PPO: four models, per-token KL shaping, GAE, clipped updates.
+
+This is the post "RLHF with PPO from Scratch: Four Models, GAE and LoRA", section by
+section, with its names: `generate`, `token_log_probs`, `score`, `fluency`,
+`ValueHead`, `policy_forward`, `shaped_rewards`, `advantages_and_returns` (from
+gae.py), `ppo_losses`, `train`. Equations (1)-(14) are numbered as in the post,
+above the lines that compute them.
+
+The four models:
+    reference  SmolLM2-135M-Instruct, frozen                      (loaders.py)
+    policy     the reference's weights + a LoRA adapter           (lora.py)
+    reward     the Bradley-Terry model fitted by reward_model.py  (reward_model.py)
+    value      a linear head on the policy's last hidden state    (ValueHead, below)
+
+Legend (one name per symbol, used everywhere):
+    logp      log pi_theta(a_t | s_t)    the policy being updated
+    logp_old  log pi_old(a_t | s_t)      the policy that sampled the batch
+    logp_ref  log pi_ref(a_t | s_t)      the frozen reference
+    values    V(s_t);  adv  A_t;  ret  R_t;  mask  1 up to and including the first EOS
+    P, T      prompt length (left-padded), response length; B the batch
+
+Departures from the post, each repeated at its line:
+    1. Masks. A response ends at its first EOS; positions after it get no reward, no
+       KL, no advantage and no loss. The score lands on that EOS (or on the last
+       token when the response hit the length limit), not on the last column.
+    2. Our reward model shares the policy's tokenizer, so it scores the sampled ids
+       directly (the post decodes and re-encodes for its DeBERTa scorer).
+    3. Logits only for response positions, through a fused log-prob that never holds
+       (rows x V) log-probs (kernels/), in fp32; logits are divided by the
+       temperature in every log-prob (a no-op at the post's 1.0).
+    4. Each iteration draws a fresh batch of training prompts (the post reuses the
+       same 16), and the final evaluation uses held-out prompts. Posts longer than
+       PROMPT_TOKENS are cut at a paragraph or sentence boundary instead of dropped.
+    5. The value loss and the entropy average over real tokens only; the value head
+       starts from the post's default init (not from the reward model).
+    6. Optional extras, all off by default as in the post's run: an adaptive beta
+       (Ziegler et al.), the k3 KL estimator, a missing-EOS penalty, the entropy
+       bonus (12) and the ptx loss (13). The inner step can be split into
+       micro-batches (same gradient, less memory).
+
+Papers: PPO, Schulman et al. 2017, arXiv:1707.06347 (sec. 3, 5); GAE, Schulman et
+al. 2015, arXiv:1506.02438; Ziegler et al. 2019, arXiv:1909.08593 (sec. 2.2, the
+KL reward and adaptive beta); Stiennon et al. 2020, arXiv:2009.01325 (TL;DR);
+InstructGPT, Ouyang et al. 2022, arXiv:2203.02155 (eq. 2, the ptx term).
+
+Run:   python reward_model.py && python ppo.py --beta 0
+Sweep: python ppo.py --beta 0 0.01 0.1 0.5 2.0 --seeds 0 1 2
+Test:  pytest tests/test_ppo.py
+"""
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import resource
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm import tqdm
+
+import kernels
+import loaders
+import reward_model as rm
+from gae import (AdaptiveKLController, advantages_and_returns, kl_per_token,
+                 response_mask, shaped_rewards, whiten)
+from lora import load_adapter, save_adapter, with_lora
+
+
+# ----------------------------------------------------------------------------- config
+
+def _opt(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    preset: str = _opt("auto", "blog (CUDA/MPS default), cpu (CPU default) or tiny (tests)")
+    beta: list = _opt((0.1,), "KL coefficient(s); several run a sweep")
+    seeds: list = _opt((0,), "seed(s); every (beta, seed) pair is one run")
+    iterations: int = _opt(100, "PPO iterations per run (the post: 100)")
+    batch: int = _opt(16, "prompts per iteration, BATCH (the post: 16)")
+    prompt_tokens: int = _opt(256, "PROMPT_TOKENS, longer posts are cut (the post: 256)")
+    max_new_tokens: int = _opt(48, "MAX_NEW_TOKENS (the post: 48)")
+    temperature: float = _opt(1.0, "sampling temperature (the post: 1.0)")
+    top_k: int = _opt(50, "top-k sampling (the post: 50)")
+    top_p: float = _opt(0.95, "nucleus sampling (the post: 0.95)")
+    inner_steps: int = _opt(2, "clipped updates per batch, INNER_STEPS (the post: 2)")
+    lr: float = _opt(1e-4, "adapter learning rate, LR (the post: 1e-4)")
+    value_lr: float = _opt(1e-4, "value head learning rate, VALUE_LR (the post: 1e-4)")
+    clip: float = _opt(0.2, "PPO clip epsilon, CLIP (the post: 0.2)")
+    gamma: float = _opt(0.99, "discount gamma (the post: 0.99)")
+    lam: float = _opt(0.95, "GAE lambda (the post: 0.95)")
+    vf_coef: float = _opt(1.0, "c_v in (14) (the post: 1)")
+    ent_coef: float = _opt(0.0, "c_ent in (14), the entropy bonus (12) (the post: 0)")
+    ptx_coef: float = _opt(0.0, "c_ptx in (14), LM loss (13) on human TL;DRs (the post: 0)")
+    target_kl: float = _opt(None, "if set, adapt beta toward this KL per sequence (nats), "
+                                  "Ziegler et al.'s controller; --beta is the start")
+    kl_estimator: str = _opt("k1", "per-token KL estimate for the penalty: k1 (the post) or k3")
+    missing_eos_penalty: float = _opt(None, "if set, the score of a response with no EOS")
+    micro_batch: int = _opt(16, "sequences per forward/backward in the inner step")
+    eval_prompts: int = _opt(64, "held-out prompts for the final evaluation")
+    checkpoint_every: int = _opt(10, "save a resumable checkpoint every N iterations")
+    reward_model: str = _opt("runs/reward_model", "folder written by reward_model.py")
+    out: str = _opt(None, "output folder (default runs/ppo_beta{b}_seed{s}, or runs/ppo_sweep)")
+    resume: bool = _opt(False, "continue the run in --out from its last checkpoint")
+    model: str = _opt(loaders.POLICY_NAME, "policy/reference model: hub id or local folder")
+    data_dir: str = _opt(None, "folder with the TL;DR files (default $RLHF_DATA_DIR, "
+                               "../shared/data, else the hub)")
+
+
+PRESETS = {
+    # The post's hyperparameters, for a GPU or Apple silicon.
+    "blog": dict(iterations=100, batch=16, prompt_tokens=256, micro_batch=16, eval_prompts=64),
+    # Same algorithm on a 2-core CPU in <= 20 minutes: shorter prompts, fewer iterations,
+    # micro-batches of 4 to keep memory down.
+    "cpu": dict(iterations=24, batch=8, prompt_tokens=128, micro_batch=4, eval_prompts=16,
+                checkpoint_every=8),
+    # Seconds, for tests: the tiny random model (loaders.tiny_model) and a tiny reward model.
+    "tiny": dict(iterations=3, batch=4, prompt_tokens=64, max_new_tokens=8, micro_batch=2,
+                 eval_prompts=4, checkpoint_every=2),
+}
+
+
+def parse_args(argv=None):
+    """Config from the command line: defaults, then the preset, then explicit flags."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+        elif f.type is list:
+            kind = float if f.name == "beta" else int
+            parser.add_argument(flag, type=kind, nargs="+", default=None, help=f.metadata["help"])
+        else:
+            kind = {int: int, float: float}.get(f.type, str)
+            parser.add_argument(flag, type=kind, default=None, help=f.metadata["help"])
+    args = parser.parse_args(argv)
+    preset = args.preset or "auto"
+    if preset == "auto":
+        preset = "cpu" if loaders.pick_device().type == "cpu" else "blog"
+    if preset not in PRESETS:
+        parser.error(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    values = {**PRESETS[preset], "preset": preset}
+    values.update({k: v for k, v in vars(args).items() if v is not None and v is not False})
+    cfg = Config(**values)
+    if cfg.kl_estimator not in ("k1", "k3"):
+        parser.error("--kl-estimator must be k1 or k3")
+    if cfg.batch % cfg.micro_batch:
+        cfg.micro_batch = math.gcd(cfg.batch, cfg.micro_batch)
+    return cfg
+
+
+# ---------------------------------------------------------------------------- prompts
+
+def load_prompts(cfg, tokenizer):
+    """Training pool and held-out evaluation posts, each prompt within PROMPT_TOKENS.
+
+    The split is fixed (seed 0) so every run of a sweep is evaluated on the same posts.
+    Departure 4: a post that is too long is cut at a paragraph or sentence boundary.
+    """
+    posts = loaders.load_tldr(cfg.data_dir)
+    order = torch.randperm(len(posts), generator=torch.Generator().manual_seed(0)).tolist()
+    needed = cfg.eval_prompts + cfg.iterations * cfg.batch + cfg.batch   # enough for the run
+    kept, cut = [], 0
+    for i in order:
+        prompt = loaders.fit_prompt(tokenizer, posts[i], cfg.prompt_tokens)
+        if prompt is None:
+            continue
+        cut += prompt != posts[i]["prompt"]
+        kept.append({**posts[i], "prompt": prompt})
+        if len(kept) >= needed:
+            break
+    if len(kept) < cfg.eval_prompts + cfg.batch:
+        raise loaders.DataError(f"only {len(kept)} usable TL;DR posts; need at least "
+                                f"{cfg.eval_prompts + cfg.batch}")
+    print(f"prompts: kept {len(kept)} posts within {cfg.prompt_tokens} tokens "
+          f"({cut} cut at a paragraph or sentence boundary); "
+          f"{cfg.eval_prompts} held out for evaluation")
+    return kept[cfg.eval_prompts:], kept[:cfg.eval_prompts]
+
+
+def encode(tokenizer, prompts, device):
+    """Left-padded prompt ids (B, P) and their attention mask (B, P)."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def batch_for(pool, iteration, batch, seed):
+    """The prompts of one iteration: a seeded permutation of the pool, read in order.
+
+    A pure function of (iteration, seed), so a resumed run draws the same prompts.
+    """
+    perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [pool[perm[(iteration * batch + j) % len(pool)]] for j in range(batch)]
+
+
+# ------------------------------------------------------------- generating and scoring
+
+@torch.no_grad()
+def generate(model, prompt_ids, prompt_mask, cfg, eos_id):
+    """Sample a summary per post, keeping the ids that were sampled.
+
+    out: sequences (B, P+T) and actions (B, T), T <= max_new_tokens. After a row's
+    first EOS, generate pads with EOS (SmolLM2's pad id), so `response_mask` later
+    keeps positions up to and including the first EOS, never `!= pad`.
+    """
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True,
+                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                         top_k=cfg.top_k, top_p=cfg.top_p, pad_token_id=eos_id)
+    return out, out[:, prompt_ids.shape[1]:]                    # (B, P+T), (B, T)
+
+
+def full_mask(prompt_mask, actions):
+    """Attention mask for prompt + response: (B, P+T), zeros only on the left padding."""
+    return torch.cat([prompt_mask, torch.ones_like(actions)], 1)
+
+
+def response_hidden(model, sequences, attention_mask, T):
+    """Last hidden state at the states s_0 .. s_{T-1} of the response: (B, T, H).
+
+    (1)  s_t = (x, y_{1:t-1})   lives at sequence position P-1+t
+    (2)  a_t = y_t              is the token at position P+t
+    The last token is never an input to a prediction, so the forward stops before it.
+    Position ids count real tokens only, which makes left padding invisible.
+    """
+    inputs = sequences[:, :-1]                                  # (B, P+T-1)
+    mask = attention_mask[:, :-1]                               # (B, P+T-1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)              # (B, P+T-1)
+    hidden = model.model(input_ids=inputs, attention_mask=mask,
+                         position_ids=positions).last_hidden_state      # (B, P+T-1, H)
+    return hidden[:, -T:]                                       # (B, T, H) response states only
+
+
+def token_log_probs(model, sequences, attention_mask, actions, temperature=1.0):
+    """log p(a_t | s_t) for the ids actually sampled, (B, T) fp32.
+
+    Departure 3: logits only at response positions, through the fused log-prob
+    (kernels/), divided by the temperature. The same path as `policy_forward`, so the
+    reference and a fresh policy agree to the last bit.
+    """
+    hidden = response_hidden(model, sequences, attention_mask, actions.shape[1])  # (B, T, H)
+    return kernels.gather_log_probs_from_hidden(hidden, model.lm_head.weight, actions,
+                                                temperature)    # (B, T)
+
+
+@torch.no_grad()
+def score(reward, prompt_ids, prompt_mask, actions, mask, missing_eos_penalty=None, eos_id=2):
+    """The reward model's score for each post and sampled summary, (B,).
+
+    Departure 2: the reward model reads the sampled ids (its tokenizer is the
+    policy's), at the last real token (departure 1). No decode, no re-encode.
+    """
+    scores = rm.score_ids(reward, prompt_ids, prompt_mask, actions, mask).float()   # (B,)
+    if missing_eos_penalty is not None:                         # Ziegler et al.'s "EOS trick"
+        ended = ((actions == eos_id) & mask.bool()).any(1)      # (B,)
+        scores = torch.where(ended, scores, torch.full_like(scores, missing_eos_penalty))
+    return scores
+
+
+@torch.no_grad()
+def fluency(reference, sequences, attention_mask, actions, mask, temperature=1.0):
+    """The reference model's total log-probability of each summary, (B,), real tokens only."""
+    logp_ref = token_log_probs(reference, sequences, attention_mask, actions, temperature)
+    return torch.where(mask.bool(), logp_ref, 0.0).sum(-1)
+
+
+# ------------------------------------------------------------- the policy and values
+
+class ValueHead(nn.Module):
+    """The fourth model. One scalar per state: what this position is worth."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.project = nn.Linear(width, 1)
+
+    def forward(self, hidden):
+        return self.project(hidden).squeeze(-1)                 # (B, T, H) -> (B, T)
+
+
+def policy_forward(policy, value_head, sequences, attention_mask, actions, temperature=1.0,
+                   with_entropy=False):
+    """Log-probs and values for the same positions, from one forward pass.
+
+    in:  sequences (B, P+T), attention_mask (B, P+T), actions (B, T)
+    out: logp = log pi(a_t | s_t) (B, T) fp32, values = V(s_t) (B, T), and with
+         with_entropy the entropy of pi(. | s_t) (B, T) from the same pass
+    """
+    hidden = response_hidden(policy, sequences, attention_mask, actions.shape[1])  # (B, T, H)
+    out = kernels.gather_log_probs_from_hidden(hidden, policy.lm_head.weight, actions,
+                                               temperature, return_entropy=with_entropy)
+    logp, entropy = out if with_entropy else (out, None)        # (B, T) each
+    return logp, value_head(hidden.float()), entropy            # values (B, T)
+
+
+# ---------------------------------------------------------------------------- losses
+
+def ppo_losses(logp, logp_old, adv, values, ret, mask, clip, entropy=None, n_seq=None,
+               n_tok=None):
+    """Eq. (8)-(12) for one (micro-)batch: the clipped policy loss, the value loss, and
+    the entropy term, each a scalar, plus the clip statistics.
+
+    in:  logp, logp_old, adv, values, ret, mask, entropy: (b, T); n_seq and n_tok, the
+         sequences and real tokens of the whole batch, so that the micro-batches of one
+         batch add up to exactly the full-batch losses (defaults: this batch's own)
+    """
+    b, m = logp.shape[0], mask.bool()
+    n_seq = n_seq or b
+    n_tok = n_tok or m.sum().clamp(min=1)
+    # (8)  r_t(theta) = pi_theta(a_t|s_t) / pi_old(a_t|s_t) = exp(logp - logp_old)
+    # (9)  J_clip = E_t[min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t)]
+    # (10) L_policy = -J_clip     summed over real tokens, averaged over sequences, as the
+    #      post's `-clipped.sum(-1).mean()` (departure 1: padding masked out)
+    policy_loss, stats = kernels.masked_clipped_loss(logp, logp_old, adv, mask, clip)
+    policy_loss = policy_loss * (b / n_seq)                     # this micro-batch's share
+    # (11) L_value = E_t[(V(s_t) - R_t)^2]       (departure 5: mean over real tokens)
+    value_loss = torch.where(m, (values - ret) ** 2, 0.0).sum() / n_tok
+    # (12) L_ent = -E_t[H(pi_theta(. | s_t))]
+    ent_loss = (-torch.where(m, entropy, 0.0).sum() / n_tok if entropy is not None
+                else torch.zeros((), device=logp.device))
+    return policy_loss, value_loss, ent_loss, stats
+
+
+def ptx_loss(policy, tokenizer, posts, device, temperature=1.0):
+    """(13) L_ptx = -E_{(x,y)~D_ptx} sum_t log pi_theta(y_t | x, y_{1:t-1}) on human TL;DRs.
+
+    The prompt and the summary are tokenized apart, as in generation, and the
+    summary ends in EOS.
+    """
+    prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in posts], device)
+    summaries = tokenizer([" " + p["summary"] + tokenizer.eos_token for p in posts],
+                          return_tensors="pt", padding=True, padding_side="right",
+                          add_special_tokens=False)
+    actions = summaries["input_ids"].to(device)                 # (B, T) right-padded
+    mask = summaries["attention_mask"].to(device)               # (B, T)
+    sequences = torch.cat([prompt_ids, actions], 1)             # (B, P+T)
+    logp = token_log_probs(policy, sequences, full_mask(prompt_mask, actions), actions,
+                           temperature)                         # (B, T)
+    return -torch.where(mask.bool(), logp, 0.0).sum(-1).mean()
+
+
+# ---------------------------------------------------------------------- the ratio check
+
+class RatioError(RuntimeError):
+    """The ratio is not 1 before the first step: old and new log-probs disagree."""
+
+
+def check_ratio(ratio, tolerance=1e-5):
+    """(min, max) of the ratio before any step; raises RatioError if either is not 1.
+
+    Before the first inner step the policy has not moved, so every r_t of eq. (8)
+    must be exactly 1 (fp32). `ratio` may be per token or per sequence.
+    """
+    lo, hi = ratio.min().item(), ratio.max().item()
+    if abs(lo - 1) > tolerance or abs(hi - 1) > tolerance:
+        raise RatioError(
+            f"ratio at the first inner step is {lo:.6f} to {hi:.6f}, not 1 (tolerance "
+            f"{tolerance}). The post's two failure modes:\n"
+            "  1. the ids were decoded to text and re-encoded (decode-then-encode is not a "
+            "round trip), so old and new log-probs score different tokens;\n"
+            "  2. per-token ratios were summed (giving the sequence length) instead of summing "
+            "log-ratios.\n"
+            "Also check: dropout left on (call .eval()), a non-zero adapter init, different "
+            "slicing or temperature between the old and the new forward.")
+    return lo, hi
+
+
+# ------------------------------------------------------------------ checkpoints, files
+
+def write_json(path, obj):
+    """Write JSON next to `path` and rename it into place: never half-written."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(obj, handle, indent=1)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controller_beta):
+    """Adapter, value head, optimizer moments and RNG state, as safetensors + JSON."""
+    staging = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint-"))
+    save_adapter(policy, staging / "adapter.safetensors")
+    save_file(value_head.state_dict(), str(staging / "value_head.safetensors"))
+    tensors, scalars = {}, {}
+    for i, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.ndim > 0:
+                tensors[f"{i}.{key}"] = value.contiguous()
+            else:
+                scalars[f"{i}.{key}"] = float(value)
+    tensors["rng.torch"] = torch.get_rng_state()
+    save_file(tensors, str(staging / "optimizer_rng.safetensors"))
+    write_json(staging / "state.json", {"iteration": iteration, "beta": controller_beta,
+                                        "optimizer_scalars": scalars})
+    final, old = Path(run_dir) / "checkpoint", Path(run_dir) / ".checkpoint-old"
+    if final.exists():                      # swap, so a crash never leaves no checkpoint
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    staging.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(run_dir, policy, value_head, optimizer):
+    """Restore what `save_checkpoint` wrote; returns (next iteration, beta)."""
+    folder = Path(run_dir) / "checkpoint"
+    if not (folder / "state.json").exists():
+        raise FileNotFoundError(f"--resume: no checkpoint in {folder}")
+    state = json.loads((folder / "state.json").read_text())
+    load_adapter(policy, folder / "adapter.safetensors")
+    value_head.load_state_dict(load_file(str(folder / "value_head.safetensors")))
+    tensors = load_file(str(folder / "optimizer_rng.safetensors"))
+    saved = optimizer.state_dict()
+    groups = saved["param_groups"]
+    restored = {}
+    for name, value in list(tensors.items()) + list(state["optimizer_scalars"].items()):
+        if name == "rng.torch":
+            continue
+        index, key = name.split(".", 1)
+        restored.setdefault(int(index), {})[key] = (value if torch.is_tensor(value)
+                                                    else torch.tensor(value))
+    optimizer.load_state_dict({"state": restored, "param_groups": groups})
+    torch.set_rng_state(tensors["rng.torch"])
+    return state["iteration"] + 1, state["beta"]
+
+
+def peak_memory_gb(device):
+    """Peak memory: CUDA's allocator peak, else the process's peak resident set (Linux KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+# ------------------------------------------------------------------------- the loop
+
+def train(cfg, beta, seed, models, pool, run_dir, progress=True):
+    """One PPO run. Writes results.json every iteration and checkpoints; returns the policy."""
+    reference, reward, tokenizer, device = models
+    eos = tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    # The post deep-copies the reference; sharing its frozen tensors gives the same model
+    # without a second copy of the weights (both are frozen, only the adapter trains).
+    policy = with_lora(copy.deepcopy(reference, memo={id(p): p for p in reference.parameters()}))
+    policy.eval()                               # dropout off in every pass, training ones too
+    value_head = ValueHead(reference.config.hidden_size).to(device)
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.lr},
+         {"params": value_head.parameters(), "lr": cfg.value_lr}])
+    controller = AdaptiveKLController(beta, cfg.target_kl) if cfg.target_kl else None
+    results = {"config": {**dataclasses.asdict(cfg), "beta": beta, "seed": seed},
+               "iterations": [], "final": None}
+    start = 0
+    if cfg.resume and (Path(run_dir) / "checkpoint").exists():
+        start, beta = load_checkpoint(run_dir, policy, value_head, optimizer)
+        if controller:
+            controller.beta = beta
+        old = json.loads((Path(run_dir) / "results.json").read_text())
+        results["iterations"] = old["iterations"][:start]
+        print(f"resumed {run_dir} at iteration {start}")
+
+    bar = tqdm(range(start, cfg.iterations), desc=f"beta={beta:g} seed={seed}",
+               disable=not progress, initial=start, total=cfg.iterations)
+    for iteration in bar:
+        timer, t0 = {}, time.perf_counter()
+        # ---- 1. generate: sample a summary for each post with the current policy
+        posts = batch_for(pool, iteration, cfg.batch, seed)
+        prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in posts], device)
+        sequences, actions = generate(policy, prompt_ids, prompt_mask, cfg, eos)  # (B,P+T),(B,T)
+        mask = response_mask(actions, eos)              # (B, T) 1 up to and incl. first EOS
+        attention = full_mask(prompt_mask, actions)     # (B, P+T)
+        timer["generate"] = time.perf_counter() - t0
+
+        # ---- 2. score the finished summaries (ids, not text)
+        t = time.perf_counter()
+        scores = score(reward, prompt_ids, prompt_mask, actions, mask,
+                       cfg.missing_eos_penalty, eos)                        # (B,)
+        timer["score"] = time.perf_counter() - t
+
+        # ---- 3. old log-probs and values (training path), reference log-probs
+        t = time.perf_counter()
+        with torch.no_grad():
+            logp_old, values, _ = policy_forward(policy, value_head, sequences, attention,
+                                                 actions, cfg.temperature)  # (B, T) each
+            logp_ref = token_log_probs(reference, sequences, attention, actions,
+                                       cfg.temperature)                     # (B, T)
+            # ---- 4. shaped reward (3)-(4), then GAE (5)-(6) and returns (7)
+            kl = kl_per_token(logp_old, logp_ref, cfg.kl_estimator)         # (B, T)
+            current_beta = controller.beta if controller else beta
+            rewards = shaped_rewards(logp_old, logp_ref, scores, current_beta, mask, kl=kl)
+            adv, ret = advantages_and_returns(rewards, values, mask, cfg.gamma, cfg.lam)
+            adv = whiten(adv, mask)                     # (B, T) over real tokens only
+        timer["forward"] = time.perf_counter() - t
+
+        # ---- 5. INNER_STEPS clipped updates on this batch
+        t = time.perf_counter()
+        n_tok = mask.sum()                              # real tokens in the whole batch
+        logs = []
+        for step in range(cfg.inner_steps):
+            optimizer.zero_grad(set_to_none=True)
+            log, ratios = dict.fromkeys(("policy_loss", "value_loss", "entropy", "clipfrac",
+                                         "approx_kl", "ptx_loss"), 0.0), []
+            for i in range(0, cfg.batch, cfg.micro_batch):   # same gradient as one batch
+                rows = slice(i, i + cfg.micro_batch)
+                logp, v, entropy = policy_forward(policy, value_head, sequences[rows],
+                                                  attention[rows], actions[rows],
+                                                  cfg.temperature, with_entropy=True)
+                if step == 0:                           # the post's probe, every iteration
+                    ratios.append((logp - logp_old[rows]).exp().detach()[mask[rows].bool()])
+                pl, vl, el, stats = ppo_losses(logp, logp_old[rows], adv[rows], v, ret[rows],
+                                               mask[rows], cfg.clip, entropy, cfg.batch, n_tok)
+                # (14) L_total = L_policy + c_v L_value + c_ent L_ent + c_ptx L_ptx
+                loss = pl + cfg.vf_coef * vl + cfg.ent_coef * el
+                if cfg.ptx_coef:                        # (13) on these posts' human TL;DRs
+                    lm = ptx_loss(policy, tokenizer, posts[rows], device, cfg.temperature)
+                    loss = loss + cfg.ptx_coef * lm * (len(posts[rows]) / cfg.batch)
+                    log["ptx_loss"] += lm.item() * len(posts[rows]) / cfg.batch
+                loss.backward()
+                share = mask[rows].sum().item() / n_tok.item()      # this part's real tokens
+                log["policy_loss"] += pl.item()
+                log["value_loss"] += vl.item()
+                log["entropy"] -= el.item()
+                log["clipfrac"] += stats["clipfrac"].item() * share
+                log["approx_kl"] += stats["approx_kl"].item() * share
+            if step == 0:
+                ratio_min, ratio_max = check_ratio(torch.cat(ratios))
+            optimizer.step()
+            logs.append(log)
+        timer["update"] = time.perf_counter() - t
+
+        # ---- metrics
+        if controller:
+            controller.update(torch.where(mask.bool(), kl, 0.0).sum(-1).mean().item())
+        row = iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mask,
+                                actions, eos, logs, ratio_min, ratio_max, current_beta)
+        row.update({f"seconds_{k}": round(v, 3) for k, v in timer.items()},
+                   seconds=round(time.perf_counter() - t0, 3),
+                   peak_memory_gb=round(peak_memory_gb(device), 3))
+        results["iterations"].append(row)
+        write_json(Path(run_dir) / "results.json", results)
+        if (iteration + 1) % cfg.checkpoint_every == 0 or iteration + 1 == cfg.iterations:
+            save_checkpoint(run_dir, iteration, policy, value_head, optimizer,
+                            controller.beta if controller else beta)
+        bar.set_postfix(reward=f"{row['reward']:.2f}", kl=f"{row['kl']:.2f}",
+                        len=f"{row['response_length']:.1f}", ratio=f"{ratio_max:.4f}")
+    return policy, value_head, results
+
+
+def iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mask, actions,
+                      eos, logs, ratio_min, ratio_max, beta):
+    """One row of results.json: what the post and the concept lesson say to watch."""
+    m = mask.bool()
+    per_seq_kl = torch.where(m, kl, 0.0).sum(-1)                 # (B,) summed over tokens
+    non_score = torch.where(m, rewards, 0.0).sum(-1) - scores    # (B,) the -beta KL part
+    residual = (ret - values)[m]                                 # (N,) real tokens
+    explained = 1 - residual.var(correction=0) / ret[m].var(correction=0).clamp(min=1e-12)
+
+    def avg(key):                                               # over the inner steps
+        return sum(log[key] for log in logs) / len(logs)
+
+    return {"iteration": iteration, "reward": scores.mean().item(),
+            "non_score_reward": non_score.mean().item(), "kl": per_seq_kl.mean().item(),
+            "response_length": m.sum(-1).float().mean().item(),
+            "eos_fraction": ((actions == eos) & m).any(-1).float().mean().item(),
+            "entropy": avg("entropy"), "clipfrac": avg("clipfrac"),
+            "approx_kl": avg("approx_kl"), "value_loss": avg("value_loss"),
+            "policy_loss": avg("policy_loss"), "ptx_loss": avg("ptx_loss"),
+            "explained_variance": explained.item(),
+            "ratio_min": ratio_min, "ratio_max": ratio_max, "beta": beta}
+
+
+# ------------------------------------------------------------------------ evaluation
+
+@torch.no_grad()
+def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
+    """Sample on `posts` in batches; returns per-sample reward, fluency, KL, length, ids."""
+    eos, out = tokenizer.eos_token_id, []
+    for i in range(0, len(posts), cfg.batch):
+        chunk = posts[i:i + cfg.batch]
+        prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in chunk], device)
+        sequences, actions = generate(model, prompt_ids, prompt_mask, cfg, eos)
+        mask = response_mask(actions, eos)
+        attention = full_mask(prompt_mask, actions)
+        scores = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos)
+        logp = token_log_probs(model, sequences, attention, actions, cfg.temperature)
+        logp_ref = token_log_probs(reference, sequences, attention, actions, cfg.temperature)
+        m = mask.bool()
+        for b in range(len(chunk)):
+            ids = actions[b][m[b]].tolist()
+            out.append({"reward": scores[b].item(),
+                        "fluency": logp_ref[b][m[b]].sum().item(),
+                        "kl": (logp - logp_ref)[b][m[b]].sum().item(),
+                        "length": len(ids), "ids": ids,
+                        "text": tokenizer.decode(ids, skip_special_tokens=True)})
+    return out
+
+
+def distinct_2(samples):
+    """Distinct bigrams over all bigrams of token ids (diversity; 1.0 = no repeats)."""
+    bigrams = [tuple(s["ids"][i:i + 2]) for s in samples for i in range(len(s["ids"]) - 1)]
+    return len(set(bigrams)) / max(len(bigrams), 1)
+
+
+def summarize(samples):
+    mean = lambda key: sum(s[key] for s in samples) / len(samples)  # noqa: E731
+    return {"reward": mean("reward"), "fluency": mean("fluency"), "kl": mean("kl"),
+            "length": mean("length"), "distinct_2": distinct_2(samples)}
+
+
+def print_samples(samples, posts, title, n=3):
+    print(f"\n{title}")
+    for s, p in list(zip(samples, posts))[:n]:
+        print(f"  [{s['reward']:+.2f}, KL {s['kl']:.1f}, {s['length']} tokens] {s['text'][:140]!r}")
+        print(f"      human: {p['summary'][:120]!r}")
+
+
+# ---------------------------------------------------------------------------- main
+
+def run_dir_for(cfg, beta, seed, sweep):
+    base = Path(cfg.out or ("runs/ppo_sweep" if sweep else f"runs/ppo_beta{beta:g}_seed{seed}"))
+    return base / f"beta{beta:g}_seed{seed}" if sweep else base
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    device = loaders.pick_device()
+    print(f"preset {cfg.preset} on {device}: " + ", ".join(
+        f"{k}={getattr(cfg, k)}" for k in ("iterations", "batch", "prompt_tokens",
+                                           "max_new_tokens", "inner_steps", "lr", "value_lr",
+                                           "clip", "gamma", "lam", "micro_batch",
+                                           "eval_prompts", "kl_estimator", "target_kl")))
+    reward_path = Path(cfg.reward_model)
+    if not (reward_path / "config.json").exists():
+        raise SystemExit(f"no reward model in {reward_path}: run `python reward_model.py"
+                         + (" --preset tiny --out " + str(reward_path) if cfg.preset == "tiny"
+                            else "") + "` first, or pass --reward-model DIR")
+    reference, tokenizer = loaders.load_policy_and_tokenizer(cfg.model, preset=cfg.preset,
+                                                             device=device)
+    reward = rm.load_reward_model(reward_path, device=device)
+    pool, held_out = load_prompts(cfg, tokenizer)
+    models = (reference, reward, tokenizer, device)
+    pairs = [(b, s) for b in cfg.beta for s in cfg.seeds]
+    sweep = len(pairs) > 1
+
+    # The floor and the ceiling, on the held-out posts: the untrained model and people.
+    torch.manual_seed(10_000)
+    ref_samples = rollouts(reference, reference, reward, tokenizer, held_out, cfg, device)
+    human = rm.score_texts(reward, tokenizer, [p["prompt"] for p in held_out],
+                           [p["summary"] for p in held_out]).float()
+    baseline = {"ref": summarize(ref_samples), "human": {"reward": human.mean().item()}}
+    print(f"reference: reward {baseline['ref']['reward']:.2f}, fluency "
+          f"{baseline['ref']['fluency']:.1f}; human TL;DRs: reward {baseline['human']['reward']:.2f}")
+
+    table = []
+    for beta, seed in pairs:
+        run_dir = run_dir_for(cfg, beta, seed, sweep)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        policy, _, results = train(cfg, beta, seed, models, pool, run_dir)
+        torch.manual_seed(10_000 + seed)
+        samples = rollouts(policy, reference, reward, tokenizer, held_out, cfg, device)
+        final = {**summarize(samples), "ref": baseline["ref"], "human": baseline["human"],
+                 "value_loss_last20": sum(r["value_loss"] for r in results["iterations"][-20:])
+                 / len(results["iterations"][-20:])}
+        results["final"] = final
+        write_json(run_dir / "results.json", results)
+        plot_curves(results, run_dir / "curves.png")
+        print_row_header()
+        print_row(f"{beta:g}", final)
+        print_row("(ref)", baseline["ref"])
+        print(f"{'human':>6} {baseline['human']['reward']:>8.2f}")
+        print_samples(samples, held_out, f"beta={beta:g} seed={seed}: held-out samples")
+        if beta == 0:
+            ranked = sorted(zip(samples, held_out), key=lambda sp: -sp[0]["reward"])
+            print_samples([s for s, _ in ranked], [p for _, p in ranked],
+                          "beta=0: the highest-reward samples (watch KL and length)")
+        table.append({"beta": beta, "seed": seed, **final, "run_dir": str(run_dir)})
+        print(f"results in {run_dir}/results.json, curves in {run_dir}/curves.png")
+    if sweep:
+        report_sweep(table, baseline, Path(cfg.out or "runs/ppo_sweep"))
+
+
+def print_row_header():
+    print(f"\n{'KL':>6} {'reward':>8} {'fluency':>9} {'KL(ref)':>8} {'length':>7} "
+          f"{'distinct-2':>10}")
+
+
+def print_row(name, r):
+    print(f"{name:>6} {r['reward']:>8.2f} {r['fluency']:>9.1f} {r['kl']:>8.2f} "
+          f"{r['length']:>7.1f} {r['distinct_2']:>10.3f}")
+
+
+def report_sweep(table, baseline, out):
+    """The post's table: reward and fluency worst to best over seeds, mean value loss."""
+    print(f"\n{'KL':>6} {'reward, worst to best':>24} {'fluency':>20} {'value loss':>12}")
+    for beta in sorted({r["beta"] for r in table}):
+        runs = [r for r in table if r["beta"] == beta]
+        got = sorted(r["reward"] for r in runs)
+        flu = sorted(r["fluency"] for r in runs)
+        val = sum(r["value_loss_last20"] for r in runs) / len(runs)
+        print(f"{beta:>6g} {got[0]:>10.2f} to {got[-1]:>9.2f} "
+              f"{flu[0]:>9.1f} to {flu[-1]:>8.1f} {val:>12.3f}")
+    print(f"{'(ref)':>6} {baseline['ref']['reward']:>10.2f}{'':>13} "
+          f"{baseline['ref']['fluency']:>9.1f}")
+    print(f"{'human':>6} {baseline['human']['reward']:>10.2f}")
+    write_json(out / "sweep.json", {"runs": table, "baseline": baseline})
+    plot_sweep(table, baseline, out / "sweep.png")
+    print(f"sweep in {out}/sweep.json and {out}/sweep.png")
+
+
+def plot_curves(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = results["iterations"]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+    for ax, key in zip(axes, ("reward", "kl", "response_length", "entropy")):
+        ax.plot([r["iteration"] for r in rows], [r[key] for r in rows])
+        ax.set_title(key)
+        ax.set_xlabel("iteration")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_sweep(table, baseline, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    betas = sorted({r["beta"] for r in table})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, key in zip(axes, ("reward", "fluency")):
+        for i, beta in enumerate(betas):
+            ys = [r[key] for r in table if r["beta"] == beta]
+            ax.scatter([i] * len(ys), ys, color="C0")
+        ax.axhline(baseline["ref"][key], color="gray", ls="--", label="reference")
+        if key == "reward":
+            ax.axhline(baseline["human"]["reward"], color="C2", ls=":", label="human")
+        ax.set_xticks(range(len(betas)), [f"{b:g}" for b in betas])
+        ax.set_xlabel("beta (KL coefficient)")
+        ax.set_title(f"held-out {key}, one point per seed")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
