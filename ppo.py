@@ -168,16 +168,13 @@ def load_prompts(cfg, tokenizer):
     """
     posts = loaders.load_tldr(cfg.data_dir)
     order = torch.randperm(len(posts), generator=torch.Generator().manual_seed(0)).tolist()
-    needed = cfg.eval_prompts + cfg.iterations * cfg.batch + cfg.batch   # enough for the run
     kept, cut = [], 0
-    for i in order:
+    for i in tqdm(order, desc="fitting prompts", leave=False):
         prompt = loaders.fit_prompt(tokenizer, posts[i], cfg.prompt_tokens)
         if prompt is None:
             continue
         cut += prompt != posts[i]["prompt"]
         kept.append({**posts[i], "prompt": prompt})
-        if len(kept) >= needed:
-            break
     if len(kept) < cfg.eval_prompts + cfg.batch:
         raise loaders.DataError(f"only {len(kept)} usable TL;DR posts; need at least "
                                 f"{cfg.eval_prompts + cfg.batch}")

@@ -136,7 +136,7 @@ def bt_loss(r_w, r_l):
 
 def pairwise_accuracy(r_w, r_l):
     """Fraction of comparisons the scores get right; an exact tie counts one half."""
-    return ((r_w > r_l).float() + 0.5 * (r_w == r_l).float()).mean().item()
+    return ((r_w > r_l).double() + 0.5 * (r_w == r_l).double()).mean().item()
 
 
 def wilson_interval(accuracy, n, z=1.96):
@@ -523,6 +523,7 @@ def publish(staging, out):
     """Move the finished folder into place; an older `out` is replaced, not merged."""
     out = Path(out).resolve()
     old = out.parent / f".{out.name}.old-{os.getpid()}"
+    staging.chmod(0o755)                          # mkdtemp made it private (0700)
     if out.exists():
         out.rename(old)
     staging.rename(out)
@@ -575,6 +576,9 @@ def run(config, staging, start):
 
     train_pairs = prepare_pairs(tokenizer, train_c, config)
     heldout_pairs = prepare_pairs(tokenizer, heldout_eval, config)
+    if not train_pairs or not heldout_pairs:
+        raise SystemExit(f"error: {len(train_pairs)} training and {len(heldout_pairs)} "
+                         "held-out comparisons; both need at least one")
     print(f"{len(comparisons)} comparisons over {len({c['post_id'] for c in comparisons})} "
           f"posts: training on {len(train_pairs)}, evaluating on {len(heldout_pairs)} "
           f"held-out comparisons ({len({c['post_id'] for c in heldout_c})} posts never "

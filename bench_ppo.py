@@ -1,0 +1,123 @@
+"""Time and peak memory of one PPO iteration: the post's forward passes against ours.
+
+The post's listing runs the whole model over prompt + response, keeps every hidden
+state (`output_hidden_states=True`), computes logits at all ~300 positions and a
+full-vocabulary `log_softmax` on them, in the old, reference and inner-step passes.
+ppo.py computes the last hidden state only, projects just the T response positions,
+and gathers log-probs with the fused op from kernels/ (no (rows x V) log-prob tensor,
+recomputed in backward), optionally in micro-batches.
+
+Both variants run the same ppo.train loop at the blog preset (BATCH 16, PROMPT_TOKENS
+256, 48 new tokens), same seed, each in a fresh subprocess so that its peak resident
+memory (ru_maxrss, which includes the weights of the three models) is its own. The
+naive variant swaps in the post's `policy_forward` and `token_log_probs` (with the
+attention mask and position ids added, so both compute the same numbers) and does no
+entropy pass, as the post does not. Time is the median over iterations after the
+first, per phase; ratios are taken within this one run (the machine is shared).
+
+Run:  python bench_ppo.py                  (about 10 minutes on a 2-core CPU)
+      python bench_ppo.py --iterations 3 --micro-batch 4
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PHASES = ("generate", "score", "forward", "update")
+
+
+def post_policy_forward(policy, value_head, sequences, attention_mask, actions, temperature=1.0,
+                        with_entropy=False):
+    """The post's policy_forward: full logits at every position, log_softmax, gather."""
+    P = sequences.shape[1] - actions.shape[1]
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = policy(sequences, attention_mask=attention_mask, position_ids=positions,
+                 output_hidden_states=True)
+    logits = out.logits[:, P - 1:-1] / temperature                      # (B, T, V)
+    chosen = torch.log_softmax(logits, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+    hidden = out.hidden_states[-1][:, P - 1:-1]                         # (B, T, H)
+    return chosen, value_head(hidden), torch.zeros_like(chosen)
+
+
+def post_token_log_probs(model, sequences, attention_mask, actions, temperature=1.0):
+    """The post's token_log_probs: full logits, log_softmax over V, gather."""
+    P = sequences.shape[1] - actions.shape[1]
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(sequences, attention_mask=attention_mask,
+                   position_ids=positions).logits[:, P - 1:-1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+
+
+def worker(variant, iterations, micro_batch, reward_model):
+    """Run `iterations` of ppo.train at the blog preset; print one JSON line of results."""
+    import loaders
+    import ppo
+    import reward_model as rm
+    if variant == "post":
+        ppo.policy_forward, ppo.token_log_probs = post_policy_forward, post_token_log_probs
+    cfg = ppo.parse_args(["--preset", "blog", "--iterations", str(iterations),
+                          "--micro-batch", str(micro_batch), "--reward-model", reward_model,
+                          "--checkpoint-every", "1000", "--eval-prompts", "16"])
+    device = loaders.pick_device()
+    reference, tokenizer = loaders.load_policy_and_tokenizer(cfg.model, device=device)
+    reward = rm.load_reward_model(cfg.reward_model, device=device)
+    pool, _ = ppo.load_prompts(cfg, tokenizer)
+    with tempfile.TemporaryDirectory() as out:
+        _, _, results = ppo.train(cfg, 0.1, 0, (reference, reward, tokenizer, device), pool,
+                                  out, progress=False)
+    rows = results["iterations"]
+    print("RESULT " + json.dumps({"rows": rows, "peak_gb": ppo.peak_memory_gb(device)}))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=3,
+                        help="iterations per variant; the first is dropped as warm-up")
+    parser.add_argument("--micro-batch", type=int, default=4,
+                        help="ours: sequences per forward/backward in the inner step")
+    parser.add_argument("--reward-model", default="runs/reward_model",
+                        help="folder written by reward_model.py")
+    parser.add_argument("--worker", choices=["post", "ours"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.iterations, args.micro_batch, args.reward_model)
+
+    results = {}
+    for variant, micro in (("post", 16), ("ours", args.micro_batch)):
+        started = time.time()
+        out = subprocess.run([sys.executable, __file__, "--worker", variant, "--iterations",
+                              str(args.iterations), "--micro-batch", str(micro),
+                              "--reward-model", args.reward_model],
+                             capture_output=True, text=True)
+        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+        if out.returncode or not line:
+            sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
+        results[variant] = json.loads(line[0][len("RESULT "):])
+        print(f"{variant}: done in {time.time() - started:.0f} s")
+
+    def median(variant, key):
+        rows = results[variant]["rows"][1:] or results[variant]["rows"]
+        return statistics.median(r[key] for r in rows)
+
+    print(f"\nblog preset, {args.iterations} iterations each (first dropped), "
+          f"ours with micro-batch {args.micro_batch}; seconds are medians")
+    print(f"{'':>18} {'post':>9} {'ours':>9} {'ours/post':>10}")
+    for key in [f"seconds_{p}" for p in PHASES] + ["seconds"]:
+        a, b = median("post", key), median("ours", key)
+        print(f"{key:>18} {a:>9.1f} {b:>9.1f} {b / a:>9.2f}x")
+    a, b = results["post"]["peak_gb"], results["ours"]["peak_gb"]
+    print(f"{'peak memory (GB)':>18} {a:>9.2f} {b:>9.2f} {b / a:>9.2f}x")
+    Path("runs").mkdir(exist_ok=True)
+    Path("runs/bench_ppo.json").write_text(json.dumps(results, indent=1))
+    print("per-iteration rows in runs/bench_ppo.json")
+
+
+if __name__ == "__main__":
+    main()

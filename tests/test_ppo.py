@@ -1,0 +1,233 @@
+"""What the post claims about the PPO loop (ppo.py), tested.
+
+- The ratio is exactly 1 at the first inner step (real SmolLM2 + a fresh adapter).
+- The post's two failure modes (decode-then-encode, summed ratios) trip the check.
+- Tokens after EOS change nothing: not the loss, not the KL, not the advantages.
+- The clip's asymmetry (the concept lesson's rho = 1.5 example).
+- A tiny run end to end through a subprocess, and resume == uninterrupted.
+"""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ppo
+from gae import advantages_and_returns, response_mask, shaped_rewards, whiten
+from lora import with_lora
+
+EOS = 2
+
+
+def fake_batch(tokenizer, n=3, T=6, seed=0):
+    """Left-padded prompts and random responses, row 0 ending early at EOS (then EOS padding)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = ["SUBREDDIT: r/a\n\nTITLE: b\n\nPOST: c d e\n\nTL;DR:",
+               "SUBREDDIT: r/x\n\nTITLE: y\n\nPOST: a much longer post, with more words\n\nTL;DR:",
+               "SUBREDDIT: r/q\n\nTITLE: w\n\nPOST: e\n\nTL;DR:"][:n]
+    prompt_ids, prompt_mask = ppo.encode(tokenizer, prompts, "cpu")         # (B, P)
+    actions = torch.randint(100, 5000, (n, T), generator=g)                 # (B, T)
+    actions[0, 2:] = EOS                                                    # ends at t = 2
+    return prompt_ids, prompt_mask, actions
+
+
+def test_ratio_is_one_with_a_fresh_adapter_on_the_tiny_model(tiny, tokenizer):
+    prompt_ids, prompt_mask, actions = fake_batch(tokenizer)
+    sequences = torch.cat([prompt_ids, actions], 1)
+    attention = ppo.full_mask(prompt_mask, actions)
+    policy = with_lora(copy.deepcopy(tiny))
+    head = ppo.ValueHead(tiny.config.hidden_size)
+    with torch.no_grad():
+        logp_ref = ppo.token_log_probs(tiny, sequences, attention, actions)
+        logp, _, _ = ppo.policy_forward(policy, head, sequences, attention, actions)
+    assert torch.equal(logp, logp_ref)
+    assert ppo.check_ratio((logp - logp_ref).exp()) == (1.0, 1.0)
+
+
+@pytest.fixture(scope="module")
+def real_samples(smollm2, tokenizer):
+    """64 real SmolLM2 summaries of held-out TL;DR posts, sampled as ppo.py samples them."""
+    cfg = ppo.parse_args(["--preset", "tiny", "--max-new-tokens", "48"])
+    import loaders
+    posts = loaders.load_tldr()[:64]
+    prompts = [loaders.fit_prompt(tokenizer, p, 160) for p in posts]
+    torch.manual_seed(0)
+    out = []
+    for i in range(0, len(prompts), 32):
+        prompt_ids, prompt_mask = ppo.encode(tokenizer, prompts[i:i + 32], "cpu")
+        sequences, actions = ppo.generate(smollm2, prompt_ids, prompt_mask, cfg, EOS)
+        out.append((prompts[i:i + 32], prompt_ids, prompt_mask, sequences, actions))
+    return out
+
+
+@pytest.mark.slow
+def test_ratio_is_exactly_one_on_real_smollm2(smollm2, real_samples):
+    """The post's probe: reference (generation side) vs a fresh policy (training path)."""
+    policy = with_lora(copy.deepcopy(smollm2))
+    head = ppo.ValueHead(smollm2.config.hidden_size)
+    _, _, prompt_mask, sequences, actions = real_samples[0]
+    attention = ppo.full_mask(prompt_mask, actions)
+    mask = response_mask(actions, EOS).bool()
+    with torch.no_grad():
+        logp_old = ppo.token_log_probs(smollm2, sequences, attention, actions)
+        logp, _, _ = ppo.policy_forward(policy, head, sequences, attention, actions)
+    ratio = (logp - logp_old).exp()[mask]
+    assert ratio.numel() > 100
+    assert ratio.min().item() == 1.0 and ratio.max().item() == 1.0     # exactly, in fp32
+
+
+@pytest.mark.slow
+def test_decode_then_encode_is_not_a_round_trip_and_trips_the_check(smollm2, tokenizer,
+                                                                    real_samples):
+    changed, total, tripped = 0, 0, 0
+    for prompts, _, prompt_mask, sequences, actions in real_samples:
+        mask = response_mask(actions, EOS).bool()
+        for b in range(len(prompts)):
+            ids = actions[b][mask[b]].tolist()
+            text = tokenizer.decode(ids)
+            again = tokenizer(text, add_special_tokens=False).input_ids
+            total += 1
+            if again == ids:
+                continue
+            changed += 1
+            # Score the re-encoded ids as "old" and the sampled ids as "new", position by
+            # position as far as both go: the two sides now see different tokens.
+            n = min(len(ids), len(again))
+            seq_new = torch.tensor([tokenizer(prompts[b]).input_ids + ids])
+            seq_old = torch.tensor([tokenizer(prompts[b]).input_ids + again])
+            with torch.no_grad():
+                new = ppo.token_log_probs(smollm2, seq_new, torch.ones_like(seq_new),
+                                          torch.tensor([ids]))[:, :n]
+                old = ppo.token_log_probs(smollm2, seq_old, torch.ones_like(seq_old),
+                                          torch.tensor([again]))[:, :n]
+            with pytest.raises(ppo.RatioError, match="decoded"):
+                ppo.check_ratio((new - old).exp())
+            tripped += 1
+    fraction = changed / total
+    print(f"\ndecode-then-encode changed {changed} of {total} sampled summaries "
+          f"({fraction:.1%}); the post says about one in twenty")
+    assert 0 < fraction < 0.5 and tripped == changed
+
+
+def test_summing_ratios_gives_the_length_and_trips_the_check():
+    logp = torch.randn(4, 6)
+    logp_old = logp.clone()                                  # before any step: identical
+    ratio = (logp - logp_old).exp()                          # (B, T) all exactly 1
+    wrong = ratio.sum(-1)                                    # (B,) summed ratios
+    right = (logp - logp_old).sum(-1).exp()                  # (B,) exp of summed log-ratios
+    assert torch.equal(wrong, torch.full((4,), 6.0))        # the sequence length
+    assert ppo.check_ratio(right) == (1.0, 1.0)
+    with pytest.raises(ppo.RatioError, match="summed"):
+        ppo.check_ratio(wrong)
+
+
+def test_tokens_after_eos_change_nothing(tiny, tokenizer):
+    """Perturb every id after row 0's EOS: log-probs on real tokens, KL, advantages,
+    loss and its gradient are unchanged, and the score sits on the EOS position."""
+    prompt_ids, prompt_mask, actions = fake_batch(tokenizer)
+    policy = with_lora(copy.deepcopy(tiny))
+    with torch.no_grad():                                    # a non-trivial adapter
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05)
+    torch.manual_seed(0)
+    head = ppo.ValueHead(tiny.config.hidden_size)
+    perturbed = actions.clone()
+    perturbed[0, 3:] = torch.tensor([777, 1234, 4321])       # after the EOS at t = 2
+
+    def everything(acts):
+        mask = response_mask(acts, EOS)
+        sequences = torch.cat([prompt_ids, acts], 1)
+        attention = ppo.full_mask(prompt_mask, acts)
+        with torch.no_grad():
+            logp_ref = ppo.token_log_probs(tiny, sequences, attention, acts)
+        policy.zero_grad()
+        head.zero_grad()
+        logp, values, entropy = ppo.policy_forward(policy, head, sequences, attention, acts,
+                                                   with_entropy=True)
+        logp_old = logp.detach() - 0.1                       # a moved policy
+        rewards = shaped_rewards(logp_old, logp_ref, torch.tensor([1.0, 2.0, 3.0]), 0.1, mask)
+        adv, ret = advantages_and_returns(rewards, values.detach(), mask)
+        adv = whiten(adv, mask)
+        pl, vl, el, _ = ppo.ppo_losses(logp, logp_old, adv, values, ret, mask, 0.2, entropy)
+        (pl + vl + el).backward()
+        grad = torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad])
+        return mask, rewards, adv, ret, pl, vl, el, grad
+
+    a, b = everything(actions), everything(perturbed)
+    assert torch.equal(a[0], b[0]) and a[0][0].tolist() == [1, 1, 1, 0, 0, 0]
+    for x, y in zip(a[1:4], b[1:4]):                         # rewards, adv, ret
+        assert torch.allclose(x, y, atol=1e-6)
+        assert (x[0, 3:] == 0).all()                         # nothing after the EOS
+    assert a[1][0, 2] > 0.9                                  # the score 1.0 sits on the EOS
+    for x, y in zip(a[4:], b[4:]):                           # losses and the gradient
+        assert torch.allclose(x, y, atol=1e-6)
+
+
+@pytest.mark.parametrize("adv, objective, has_grad", [(2.0, 2.4, False), (-2.0, -3.0, True)])
+def test_clip_asymmetry(adv, objective, has_grad):
+    """rho = 1.5, eps = 0.2: A = +2 gives 2.4 with no gradient, A = -2 gives -3.0 with one."""
+    logp_old = torch.zeros(1, 1)
+    logp = torch.full((1, 1), torch.tensor(1.5).log().item(), requires_grad=True)
+    mask, adv_t = torch.ones(1, 1), torch.full((1, 1), adv)
+    pl, _, _, stats = ppo.ppo_losses(logp, logp_old, adv_t, torch.zeros(1, 1),
+                                     torch.zeros(1, 1), mask, clip=0.2)
+    assert -pl.item() == pytest.approx(objective, abs=1e-5)   # (10) L = -J
+    pl.backward()
+    assert (logp.grad.abs().item() > 0.1) == has_grad
+    assert stats["clipfrac"].item() == 1.0                    # |rho - 1| > eps either way
+
+
+def test_micro_batches_add_up_to_the_full_batch_loss():
+    torch.manual_seed(0)
+    logp, logp_old, adv = torch.randn(4, 5), torch.randn(4, 5), torch.randn(4, 5)
+    values, ret = torch.randn(4, 5), torch.randn(4, 5)
+    mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]])
+    full = ppo.ppo_losses(logp, logp_old, adv, values, ret, mask, 0.2, logp.exp())
+    n_tok = mask.sum()
+    halves = [ppo.ppo_losses(logp[r], logp_old[r], adv[r], values[r], ret[r], mask[r], 0.2,
+                             logp[r].exp(), n_seq=4, n_tok=n_tok)
+              for r in (slice(0, 2), slice(2, 4))]
+    for k in range(3):                                       # policy, value, entropy terms
+        assert halves[0][k] + halves[1][k] == pytest.approx(full[k].item(), abs=1e-6)
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_reward_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm") / "reward_model"
+    run("reward_model.py", "--preset", "tiny", "--out", str(out))
+    return out
+
+
+def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
+    common = ["ppo.py", "--preset", "tiny", "--reward-model", str(tiny_reward_model),
+              "--beta", "0.1", "--checkpoint-every", "2"]
+    out = run(*common, "--iterations", "4", "--out", str(tmp_path / "straight"))
+    assert "ratio" in out and "human" in out
+    straight = json.loads((tmp_path / "straight" / "results.json").read_text())
+    assert set(straight) == {"config", "iterations", "final"}
+    keys = {"iteration", "reward", "kl", "response_length", "entropy", "clipfrac", "approx_kl",
+            "value_loss", "ratio_min", "ratio_max", "beta", "seconds"}
+    assert len(straight["iterations"]) == 4
+    for row in straight["iterations"]:
+        assert keys <= set(row)
+        assert row["ratio_min"] == row["ratio_max"] == 1.0
+    assert (tmp_path / "straight" / "curves.png").stat().st_size > 1000
+
+    # Stop after 2 iterations (a checkpoint), then resume to 4: the same numbers.
+    run(*common, "--iterations", "2", "--out", str(tmp_path / "resumed"))
+    run(*common, "--iterations", "4", "--out", str(tmp_path / "resumed"), "--resume")
+    resumed = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    timing = lambda row: {k: v for k, v in row.items()                     # noqa: E731
+                          if not k.startswith("seconds") and k != "peak_memory_gb"}
+    assert [timing(r) for r in resumed["iterations"]] == \
+        [timing(r) for r in straight["iterations"]]
+    assert resumed["final"]["reward"] == straight["final"]["reward"]

@@ -1,0 +1,217 @@
+"""Tests for reward_model.py: what the Bradley-Terry reward model has to get right.
+
+Run:  python -m pytest -q tests/test_reward_model.py     (~1 min on 2 CPU cores)
+
+Everything runs offline on the tiny model (SmolLM2's tokenizer, two random layers of
+width 64), except one padding check on the real SmolLM2-135M, skipped when it is absent.
+The only arithmetic written out here is the oracles: log(1 + e^-1) for (R1) and a
+textbook Wilson interval for (R4).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")        # no 3 s wait for an unreachable hub
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import loaders  # noqa: E402
+import lora  # noqa: E402
+import reward_model as rm  # noqa: E402
+
+METRIC_KEYS = {"heldout_accuracy", "wilson_low", "wilson_high", "heldout_pairs",
+               "length_baseline_accuracy", "shorter_preferred_accuracy", "train_pairs",
+               "seconds"}
+
+
+def tiny_settings(seed=0):
+    return {"base_model": loaders.POLICY_NAME, "tiny": True, "seed": seed,
+            "lora_r": 16, "lora_alpha": 32, "max_prompt_tokens": 64,
+            "max_summary_tokens": 24, "resolved_from": "test", "pad_id": 2, "eos_id": 2}
+
+
+def tiny_model(seed=0):
+    """The tiny reward model with a non-zero adapter, so LoRA takes part in every check."""
+    model, tokenizer = rm.build_reward_model(tiny_settings(seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, lora.LoRALinear):
+                module.up.weight.copy_(0.1 * torch.randn(module.up.weight.shape, generator=g))
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def comparisons():
+    return loaders.load_comparisons()
+
+
+# ------------------------------------------------------------------ (R1) and (R4)
+
+def test_bt_loss_is_unchanged_by_a_constant_added_to_both_scores():
+    g = torch.Generator().manual_seed(0)
+    r_w = torch.randn(64, generator=g, dtype=torch.float64)
+    r_l = torch.randn(64, generator=g, dtype=torch.float64)
+    loss = rm.bt_loss(r_w, r_l)
+    for c in (-7.0, 0.5, 300.0):
+        assert abs(rm.bt_loss(r_w + c, r_l + c).item() - loss.item()) < 1e-12
+    # ...but not by a constant added to one side, and its value is -log sigmoid(1) at margin 1
+    assert rm.bt_loss(r_w + 1, r_l).item() < loss.item() - 0.1
+    assert rm.bt_loss(torch.tensor([1.0]), torch.tensor([0.0])).item() == pytest.approx(
+        math.log1p(math.exp(-1)), abs=1e-7)
+
+
+def test_wilson_interval_matches_the_textbook_value():
+    low, high = rm.wilson_interval(0.5, 100)          # p = 1/2, n = 100: 0.4038 to 0.5962
+    assert (low, high) == pytest.approx((0.40383, 0.59617), abs=1e-5)
+    low, high = rm.wilson_interval(1.0, 10)           # 10 of 10: low = n / (n + z^2), not 1
+    assert low == pytest.approx(10 / (10 + 1.96 ** 2), abs=1e-9) and high == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------ the score itself
+
+def test_loss_decreases_on_a_tiny_fixed_set(comparisons):
+    model, tokenizer = tiny_model()
+    config = rm.Config(**{**rm.PRESETS["tiny"], "lr": 1e-2, "head_lr": 1e-2})
+    pairs = rm.prepare_pairs(tokenizer, comparisons[:4], config)
+    optimizer = rm.make_optimizer(model, config)
+    losses = [rm.train_step(model, optimizer, pairs)[0] for _ in range(15)]
+    assert len(pairs) == 4
+    assert losses[-1] < 0.5 * losses[0], losses
+    final_loss, final_acc = rm.train_step(model, optimizer, pairs)
+    assert final_acc == 1.0
+
+
+def padded_both_ways(sequences, extra=0):
+    """The same id lists padded on the right and on the left (plus `extra` pad columns)."""
+    width = max(map(len, sequences)) + extra
+    right = torch.full((len(sequences), width), 2)
+    left = torch.full((len(sequences), width), 2)
+    right_mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    left_mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        right[i, :len(seq)], right_mask[i, :len(seq)] = torch.tensor(seq), 1
+        left[i, width - len(seq):], left_mask[i, width - len(seq):] = torch.tensor(seq), 1
+    return (right, right_mask), (left, left_mask)
+
+
+def check_padding(model, sequences, tol):
+    with torch.no_grad():
+        alone = torch.cat([model(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))
+                           for s in sequences])                           # (B,) no padding
+        (right, rmask), (left, lmask) = padded_both_ways(sequences)
+        (right5, rmask5), (left5, lmask5) = padded_both_ways(sequences, extra=5)
+        for ids, mask in ((right, rmask), (left, lmask), (right5, rmask5), (left5, lmask5)):
+            assert (model(ids, mask) - alone).abs().max().item() < tol
+    return alone
+
+
+def test_score_is_the_same_with_left_or_right_padding_and_extra_padding():
+    model, tokenizer = tiny_model()
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(3, 40000, (n,), generator=g).tolist() + [2] for n in (5, 17, 30)]
+    alone = check_padding(model, sequences, tol=1e-5)
+    assert alone.std() > 1e-3                # the rows really score differently
+
+
+def test_score_ids_reads_the_response_eos_after_a_left_padded_prompt():
+    """PPO's layout: [pad.. prompt][response EOS pad..] scores like the bare sequence."""
+    model, tokenizer = tiny_model()
+    prompts = ["SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: short.\n\nTL;DR:",
+               "SUBREDDIT: r/b\n\nTITLE: a longer title\n\nPOST: one. two. three.\n\nTL;DR:"]
+    summaries = ["ok", "a somewhat longer summary here"]
+    bare = [rm.encode(tokenizer, p, s, 24) for p, s in zip(prompts, summaries)]
+    p_ids = [tokenizer(p).input_ids for p in prompts]
+    r_ids = [seq[len(p):] for seq, p in zip(bare, p_ids)]                # ends in EOS (2)
+    (_, _), (prompt_ids, prompt_mask) = padded_both_ways(p_ids)           # (B, P) left
+    (response_ids, response_mask), _ = padded_both_ways(r_ids, extra=3)   # (B, T) right
+    got = rm.score_ids(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    with torch.no_grad():
+        want = torch.cat([model(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))
+                          for s in bare])
+    assert (got - want).abs().max().item() < 1e-5
+    texts = rm.score_texts(model, tokenizer, prompts, summaries)
+    assert (texts - want).abs().max().item() < 1e-5
+
+
+def test_padding_on_the_real_model():
+    try:
+        settings = {**tiny_settings(), "tiny": False}
+        model, _ = rm.build_reward_model(settings)
+    except (RuntimeError, OSError) as error:
+        pytest.skip(f"SmolLM2-135M not available offline: {error}")
+    g = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(3, 40000, (n,), generator=g).tolist() + [2] for n in (6, 21)]
+    check_padding(model, sequences, tol=1e-4)     # fp32 through 30 layers: ~1e-6 seen
+
+
+# ------------------------------------------------------------------ data and the script
+
+def test_no_heldout_post_appears_in_training(comparisons):
+    train, heldout = rm.split_comparisons(comparisons, 0.25, seed=0)
+    train_posts = {c["post_id"] for c in train}
+    heldout_posts = {c["post_id"] for c in heldout}
+    assert train_posts.isdisjoint(heldout_posts)
+    assert len(train) + len(heldout) == len(comparisons)
+    assert len(heldout) >= 300                    # the issue's minimum, with the default split
+    # the split depends on the post id only: a comparison's side never changes with order
+    again, _ = rm.split_comparisons(list(reversed(comparisons)), 0.25, seed=0)
+    assert {c["post_id"] for c in again} == train_posts
+
+
+def test_save_and_load_give_identical_scores(tmp_path):
+    model, tokenizer = tiny_model()
+    with torch.no_grad():
+        model.bias.fill_(0.37)
+    rm.save_reward_model(model, tmp_path)
+    loaded = rm.load_reward_model(tmp_path)
+    ids = torch.randint(3, 40000, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        assert torch.equal(model(ids, mask), loaded(ids, mask))
+    assert loaded.bias.item() == pytest.approx(0.37)
+    assert not any(p.requires_grad for p in loaded.parameters())
+
+
+def test_unwritable_out_fails_before_any_work(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SystemExit, match="cannot write"):
+        rm.main(["--preset", "tiny", "--out", str(blocker / "rm")])
+
+
+def test_tiny_preset_runs_end_to_end_in_under_a_minute(tmp_path, comparisons):
+    out = tmp_path / "rm"
+    start = time.time()
+    result = subprocess.run([sys.executable, "reward_model.py", "--preset", "tiny",
+                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    seconds = time.time() - start
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert seconds < 60
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics) - {"extra"} == METRIC_KEYS
+    assert metrics["wilson_low"] <= metrics["heldout_accuracy"] <= metrics["wilson_high"]
+    assert metrics["train_pairs"] == 16 and 0 < metrics["heldout_pairs"] <= 32
+    for name in ("loss.png", "margins.png", "config.json", "adapter.safetensors",
+                 "head.safetensors", "base.safetensors"):
+        assert (out / name).is_file(), name
+    assert [p.name for p in tmp_path.iterdir()] == ["rm"]     # no staging folder left
+    # The saved model reproduces the run's own scores of the first held-out pair, from text.
+    model = rm.load_reward_model(out)
+    probe = metrics["extra"]["probe"]
+    _, heldout = rm.split_comparisons(comparisons, 0.25, seed=0)
+    first = heldout[0]
+    assert first["post_id"] == probe["post_id"]
+    tokenizer = loaders.load_tokenizer()
+    scores = rm.score_texts(model, tokenizer, [first["prompt"]] * 2,
+                            [first["chosen"], first["rejected"]])
+    assert scores.tolist() == pytest.approx(probe["scores"], abs=1e-5)
