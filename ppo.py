@@ -501,14 +501,15 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         for step in range(cfg.inner_steps):
             optimizer.zero_grad(set_to_none=True)
             log, ratios = dict.fromkeys(("policy_loss", "value_loss", "entropy", "clipfrac",
-                                         "approx_kl", "ptx_loss"), 0.0), []
+                                         "approx_kl", "ptx_loss"), 0.0), []   # ratios: (min, max)s
             for i in range(0, cfg.batch, cfg.micro_batch):   # same gradient as one batch
                 rows = slice(i, i + cfg.micro_batch)
                 logp, v, entropy = policy_forward(policy, value_head, sequences[rows],
                                                   attention[rows], actions[rows],
                                                   cfg.temperature, with_entropy=True)
-                if step == 0:                           # the post's probe, every iteration
-                    ratios.append((logp - logp_old[rows]).exp().detach()[mask[rows].bool()])
+                if step == 0:                           # the post's probe, before any gradient
+                    # (8) r_t = exp(logp - logp_old) on real tokens: exactly 1 before a step
+                    ratios += check_ratio((logp - logp_old[rows]).exp().detach()[mask[rows].bool()])
                 pl, vl, el, stats = ppo_losses(logp, logp_old[rows], adv[rows], v, ret[rows],
                                                mask[rows], cfg.clip, entropy, cfg.batch, n_tok)
                 # (14) L_total = L_policy + c_v L_value + c_ent L_ent + c_ptx L_ptx
@@ -525,7 +526,10 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
                 log["clipfrac"] += stats["clipfrac"].item() * share
                 log["approx_kl"] += stats["approx_kl"].item() * share
             if step == 0:
-                ratio_min, ratio_max = check_ratio(torch.cat(ratios))
+                ratio_min, ratio_max = min(ratios), max(ratios)
+                bar.write(f"iteration {iteration}: ratio at the first inner step "
+                          f"{ratio_min:.4f} to {ratio_max:.4f} (clip range "
+                          f"{1 - cfg.clip:.1f} to {1 + cfg.clip:.1f})")
             optimizer.step()
             logs.append(log)
         timer["update"] = time.perf_counter() - t
@@ -584,8 +588,9 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
         mask = response_mask(actions, eos)
         attention = full_mask(prompt_mask, actions)
         scores = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos)
-        logp = token_log_probs(model, sequences, attention, actions, cfg.temperature)
         logp_ref = token_log_probs(reference, sequences, attention, actions, cfg.temperature)
+        logp = (logp_ref if model is reference else         # the reference's own KL is 0
+                token_log_probs(model, sequences, attention, actions, cfg.temperature))
         m = mask.bool()
         for b in range(len(chunk)):
             ids = actions[b][m[b]].tolist()

@@ -50,6 +50,8 @@ section 3.1) uses the same recomputation of softmax from a saved logsumexp in ba
 Test:  python -m pytest -q tests/test_kernels.py
 Bench: python kernels/bench.py
 """
+import os
+
 import torch
 
 try:
@@ -58,9 +60,18 @@ try:
 except ImportError:  # macOS or a CPU-only install: the PyTorch path below still works
     triton = None
 
-# triton.jit reads TRITON_INTERPRET when a kernel is *defined*, i.e. when this module is imported.
-# With it set, the kernels below run on CPU tensors in Triton's numpy interpreter (tests only).
-INTERPRET = triton is not None and bool(triton.knobs.runtime.interpret)
+
+def _interpreting():
+    """triton.jit reads TRITON_INTERPRET when a kernel is *defined*, i.e. when this module is
+    imported. With it set, the kernels below run on CPU tensors in Triton's numpy interpreter."""
+    if triton is None:
+        return False
+    if hasattr(triton, "knobs"):                             # Triton >= 3.4
+        return bool(triton.knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+INTERPRET = _interpreting()
 
 # The fallback works on blocks of about this many logits at a time: 2**20 fp32 values are 4 MB, so
 # a block and its two or three temporaries stay inside a 32 MB L3 cache, and peak memory no longer
@@ -110,14 +121,16 @@ def forward_torch(x, a, temperature, with_entropy):
         z = x[bs, ts].float()                                # (b, t, V) fp32; no copy if fp32
         if temperature != 1.0:
             z = z / temperature                              # departure 2: z = logits / T
-        lse_blk = torch.logsumexp(z, -1)                     # (b, t)
-        lse[bs, ts] = lse_blk
+        # log_softmax is one fused pass in PyTorch (logsumexp is several on the CPU); the block
+        # of log-probs it writes is a few MB and dies with the block.
+        log_p = torch.log_softmax(z, -1)                     # (b, t, V)
         # logp = z[a] - lse
-        logp[bs, ts] = z.gather(-1, a[bs, ts, None]).squeeze(-1) - lse_blk
+        logp[bs, ts] = log_p.gather(-1, a[bs, ts, None]).squeeze(-1)
+        # lse = z_j - log p_j for every j; at the largest z_j both are exact, max log p = -log s
+        lse[bs, ts] = z.amax(-1) - log_p.amax(-1)
         if with_entropy:
-            p = z.sub(lse_blk[..., None]).exp_()             # (b, t, V) softmax
             # H = -sum_j p_j log p_j; entr() is -p log p with 0 where p = 0 (entries of -inf)
-            entropy[bs, ts] = torch.special.entr(p).sum(-1)
+            entropy[bs, ts] = torch.special.entr(log_p.exp_()).sum(-1)
     return logp, lse, entropy
 
 
@@ -127,20 +140,25 @@ def backward_torch(x, a, temperature, lse, entropy, grad_logp, grad_entropy):
     grad_x = torch.empty((B, T, V), dtype=x.dtype, device=x.device)
     for bs, ts in _blocks(B, T, V):
         z = x[bs, ts].float()
-        if temperature != 1.0:
-            z = z / temperature
         g = grad_logp[bs, ts, None]                          # (b, t, 1)
-        p = z.sub(lse[bs, ts, None]).exp_()                  # (b, t, V) recomputed softmax
+        # Work in the gradient's own memory when it is fp32: no block-sized temporary, no copy.
+        dz = grad_x[bs, ts] if x.dtype == torch.float32 else torch.empty_like(z)
+        if temperature == 1.0:
+            torch.sub(z, lse[bs, ts, None], out=dz)          # log p = z - lse
+        else:
+            torch.div(z, temperature, out=dz).sub_(lse[bs, ts, None])
+        p = dz.exp_()                                        # (b, t, V) recomputed softmax
         if grad_entropy is None:
             dz = p.mul_(-g)                                  # -g p_j
         else:
             # dH/dz_j = -p_j (log p_j + H) = entr(p_j) - p_j H
-            dz = torch.special.entr(p).sub_(p * entropy[bs, ts, None])
-            dz.mul_(grad_entropy[bs, ts, None]).sub_(p.mul_(g))
+            d_entropy = torch.special.entr(p).sub_(p * entropy[bs, ts, None])
+            dz = p.mul_(-g).add_(d_entropy.mul_(grad_entropy[bs, ts, None]))
         dz.scatter_add_(-1, a[bs, ts, None], g)              # + g 1[j = a]
         if temperature != 1.0:
             dz.div_(temperature)                             # dz/dlogits = 1 / T
-        grad_x[bs, ts] = dz
+        if x.dtype != torch.float32:
+            grad_x[bs, ts] = dz                              # rounded to bf16/fp16
     return grad_x
 
 
@@ -156,7 +174,7 @@ if triton is not None:
         actions_ptr,      # (B*T,) int64 sampled token ids, contiguous
         logp_ptr,         # (B*T,) fp32 out: log softmax(z)[a]
         lse_ptr,          # (B*T,) fp32 out: logsumexp(z), saved for backward
-        entropy_ptr,      # (B*T,) fp32 out: H = lse - sum_j p_j z_j
+        entropy_ptr,      # (B*T,) fp32 out: H = -sum_j p_j log p_j
         T,                # positions per sequence: row r is (b, t) = (r // T, r % T)
         stride_b,         # elements between consecutive sequences of logits
         stride_t,         # elements between consecutive positions of logits
@@ -166,8 +184,9 @@ if triton is not None:
     ):
         row = tl.program_id(0).to(tl.int64)                  # int64: B*T*V can pass 2**31
         row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
-        # Online logsumexp with fp32 accumulators: m = max so far, s = sum exp(z - m), and
-        # u = sum exp(z - m) z for the entropy. Rescale s and u whenever m grows.
+        # Online logsumexp with fp32 accumulators: m = max so far, s = sum exp(z - m), and for
+        # the entropy u = sum exp(z - m) (z - m). Both are measured from m, so H = log s - u / s
+        # at the end; lse - sum p z would cancel two numbers of 1e4 when the logits are 1e4.
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((), tl.float32)
         u = tl.zeros((), tl.float32)
@@ -180,15 +199,17 @@ if triton is not None:
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             e = tl.exp(z - shift)                            # 0 for the -inf entries
             alpha = tl.exp(m - shift)                        # rescales the old sums to m_new
+            # old terms: exp(z-m')(z-m') = alpha exp(z-m) ((z-m) + (m-m')); no 0 * -inf = nan
+            u = alpha * (u + s * tl.where(s > 0, m - shift, 0.0))
+            u += tl.sum(e * tl.where(e > 0, z - shift, 0.0), axis=0)
             s = s * alpha + tl.sum(e, axis=0)
-            u = u * alpha + tl.sum(e * tl.where(e > 0, z, 0.0), axis=0)  # no 0 * -inf = nan
             m = m_new
         lse = m + tl.log(s)
         a = tl.load(actions_ptr + row)
         z_a = tl.load(row_ptr + a).to(tl.float32) * inv_temperature  # one gathered logit
         tl.store(logp_ptr + row, z_a - lse)                  # logp = z[a] - lse
         tl.store(lse_ptr + row, lse)
-        tl.store(entropy_ptr + row, lse - u / s)             # H = lse - sum_j p_j z_j
+        tl.store(entropy_ptr + row, tl.log(s) - u / s)       # H = lse - sum_j p_j z_j
 
     @triton.jit
     def _logprob_bwd_kernel(

@@ -1,0 +1,254 @@
+"""Benchmark: time and peak extra memory of the log-prob gather, forward plus backward.
+
+    python kernels/bench.py                          (all four sizes, 3 rounds; ~10 min on 2 cores)
+    python kernels/bench.py --sizes 768x49152 --rounds 1                          (a quick look)
+
+Each row of the table is one path at one size, forward and backward with a random upstream
+gradient dL/dlogp (what PPO's loss sends back):
+
+    naive         the post's `torch.log_softmax(logits, -1).gather(-1, a[..., None]).squeeze(-1)`
+                  with autograd; input: logits (rows, V)
+    fallback      kernels.gather_log_probs on the PyTorch backend; same input
+    triton        kernels.gather_log_probs on the Triton backend (CUDA only); same input
+    naive-linear  the post's path from the last hidden state: logits = hidden @ W^T, then the
+                  expression above; input: hidden (rows, 576) and a frozen W (V, 576), SmolLM2's
+                  width; the gradient goes to hidden
+    fused-linear  kernels.gather_log_probs_from_hidden; same input as naive-linear
+
+fallback and triton are compared with naive, fused-linear with naive-linear, in the same run.
+
+Method.
+    Time: each measurement runs in its own fresh process, which first warms the path up on 2 rows
+    and then times one full-size forward+backward. The processes of all paths are interleaved,
+    round after round (--rounds), and the table shows the median over rounds, so a neighbour's
+    load falls on every path alike. On CUDA the time is taken after torch.cuda.synchronize().
+    Peak extra memory: the highest memory in use during the runs minus what was in use once the
+    inputs were allocated, so the inputs themselves do not count and the gradient that is
+    returned does. On CUDA: torch.cuda.max_memory_allocated() minus memory_allocated(). On the
+    CPU, where PyTorch keeps no such counter: the process's peak resident set (getrusage
+    ru_maxrss) minus its resident set after the inputs were written. PyTorch takes CPU tensors
+    from malloc, which maps large blocks fresh and unmaps them when they are freed, so the
+    resident set follows the live tensors; a fresh process per measurement keeps one path's
+    peak out of another's.
+    Bandwidth (CUDA, triton only): bytes the two kernels must move (forward reads the logits;
+    backward reads them again and writes their gradient: 3 rows V s bytes, s bytes per logit)
+    divided by the time, as a fraction of what a plain device-to-device copy reaches on the same
+    GPU, our stand-in for the achievable peak.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))           # `python kernels/bench.py` puts kernels/, not the root, first
+
+import kernels  # noqa: E402
+
+HIDDEN = 576                            # SmolLM2-135M's hidden width
+COMPARATOR = {"naive": "naive", "fallback": "naive", "triton": "naive",
+              "naive-linear": "naive-linear", "fused-linear": "naive-linear"}
+# The issue's targets at 16 x 304 rows x 49,152: (peak extra memory, time), both vs comparator.
+TARGETS = {"fallback": (0.5, 1.0), "fused-linear": (0.2, 1.3)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The paths. Each takes its inputs and returns logp (rows,) with a graph to backpropagate.
+# ---------------------------------------------------------------------------------------------
+def naive(logits, actions):
+    return torch.log_softmax(logits, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+
+
+def naive_linear(hidden, weight, actions):
+    logits = hidden @ weight.T          # (rows, V): what `out.logits` holds in the post
+    return torch.log_softmax(logits, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+
+
+def make_inputs(path, rows, V, device, dtype):
+    """Leaf inputs for one path; the tensor that receives the gradient requires grad."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    actions = torch.randint(0, V, (rows,), device=device, generator=gen)
+    if path.endswith("linear"):
+        hidden = torch.randn(rows, HIDDEN, device=device, dtype=dtype, generator=gen)
+        weight = torch.randn(V, HIDDEN, device=device, dtype=dtype, generator=gen).mul_(0.05)
+        return (hidden.requires_grad_(), weight, actions)
+    # in place: a temporary copy would raise the high-water mark before the baseline is taken
+    logits = torch.randn(rows, V, device=device, dtype=dtype, generator=gen).mul_(3)
+    return (logits.requires_grad_(), actions)
+
+
+def run_path(path, inputs):
+    """One forward + backward."""
+    if path == "naive":
+        logp = naive(*inputs)
+    elif path == "naive-linear":
+        logp = naive_linear(*inputs)
+    elif path == "fused-linear":
+        logp = kernels.gather_log_probs_from_hidden(*inputs)
+    else:
+        kernels.set_backend("torch" if path == "fallback" else "triton")
+        logp = kernels.gather_log_probs(*inputs)
+    upstream = torch.randn(logp.shape, device=logp.device)
+    logp.backward(upstream)
+    inputs[0].grad = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker: one path, one size, in a fresh process. Prints one JSON line.
+# ---------------------------------------------------------------------------------------------
+def resident_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(path, rows, V, device, dtype):
+    cuda = device == "cuda"
+    run_path(path, make_inputs(path, 2, V, device, dtype))     # warm-up on 2 rows
+    inputs = make_inputs(path, rows, V, device, dtype)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        baseline = resident_bytes()
+    start = time.perf_counter()
+    run_path(path, inputs)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # kB on Linux
+    result = {"seconds": seconds, "extra_bytes": max(0, peak - baseline)}
+    if cuda and path == "triton":
+        x = inputs[0].detach()
+        y = torch.empty_like(x)
+        y.copy_(x)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            y.copy_(x)
+        torch.cuda.synchronize()
+        copy_bps = 5 * 2 * x.numel() * x.element_size() / (time.perf_counter() - start)
+        moved = 3 * x.numel() * x.element_size()               # fwd read, bwd read + write
+        result.update(bytes_per_s=moved / seconds, copy_bytes_per_s=copy_bps)
+    print(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver: interleaved rounds of workers, then the table.
+# ---------------------------------------------------------------------------------------------
+def available_bytes():
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":") for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def measure(path, rows, V, device, dtype):
+    cmd = [sys.executable, __file__, "--worker", path, str(rows), str(V), device, dtype]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if out.returncode != 0:
+        raise RuntimeError(f"{path} at {rows}x{V} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_size(rows, V, paths, device, dtype, rounds):
+    """Median time and max peak over rounds, per path."""
+    logits_bytes = rows * V * torch.finfo(getattr(torch, dtype)).bits // 8
+    # The post's path holds the logits plus about three more (rows, V) fp32 tensors at its peak.
+    if device == "cpu" and logits_bytes + 3 * rows * V * 4 > 0.9 * available_bytes():
+        print(f"  skipping {rows}x{V}: needs ~{(logits_bytes + 12 * rows * V) / 2**30:.1f} GiB, "
+              f"{available_bytes() / 2**30:.1f} GiB available", flush=True)
+        return {}
+    runs = {p: [] for p in paths}
+    for r in range(rounds):
+        for p in paths:
+            runs[p].append(measure(p, rows, V, device, dtype))
+            print(f"  round {r + 1}/{rounds} {rows}x{V} {p}: {runs[p][-1]['seconds']:.2f} s",
+                  flush=True)
+    return {p: {"seconds": statistics.median(x["seconds"] for x in rs),
+                "extra_bytes": max(x["extra_bytes"] for x in rs),
+                **({k: statistics.median(x[k] for x in rs) for k in ("bytes_per_s",
+                                                                    "copy_bytes_per_s")}
+                   if "bytes_per_s" in rs[0] else {})}
+            for p, rs in runs.items()}
+
+
+def label(rows):
+    return f"16x{rows // 16}" if rows % 16 == 0 else str(rows)
+
+
+def print_table(results):
+    head = (f"{'rows x V':>14} | {'path':<12} | {'vs':<12} | {'time s':>7} | {'time x':>6} | "
+            f"{'peak extra MB':>13} | {'memory x':>8} | bandwidth")
+    print(head)
+    print("-" * len(head))
+    for (rows, V), res in results.items():
+        for path, r in res.items():
+            base = res[COMPARATOR[path]]
+            bandwidth = ""
+            if "bytes_per_s" in r:
+                bandwidth = (f"{r['bytes_per_s'] / 1e9:.0f} GB/s = "
+                             f"{r['bytes_per_s'] / r['copy_bytes_per_s']:.0%} of copy")
+            print(f"{label(rows) + f' x {V}':>14} | {path:<12} | {COMPARATOR[path]:<12} | "
+                  f"{r['seconds']:7.3f} | {r['seconds'] / base['seconds']:6.2f} | "
+                  f"{r['extra_bytes'] / 2**20:13.0f} | "
+                  f"{r['extra_bytes'] / max(base['extra_bytes'], 1):8.2f} | {bandwidth}")
+
+
+def check_targets(results):
+    res = results.get((16 * 304, 49152))
+    if not res:
+        return
+    print("\nDone-when targets at 16x304 x 49152 (peak extra memory and time, vs comparator):")
+    for path, (mem_target, time_target) in TARGETS.items():
+        r, base = res[path], res[COMPARATOR[path]]
+        mem, t = r["extra_bytes"] / base["extra_bytes"], r["seconds"] / base["seconds"]
+        ok = mem <= mem_target and t <= time_target
+        print(f"  {path:<12} memory {mem:.2f}x (target <= {mem_target}x), time {t:.2f}x "
+              f"(target <= {time_target}x): {'met' if ok else 'NOT met'}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["768x49152", "4864x49152", "768x151936",
+                                                       "4864x151936"],
+                        help="rows x V; 768 = 16 x 48 (the post's MAX_NEW_TOKENS), 4864 = 16 x 304")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats per path")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda adds the triton path and its bandwidth")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype of logits, hidden states and lm_head")
+    parser.add_argument("--worker", nargs=5, metavar=("PATH", "ROWS", "V", "DEVICE", "DTYPE"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        path, rows, V, device, dtype = args.worker
+        return worker(path, int(rows), int(V), device, getattr(torch, dtype))
+
+    paths = ["naive", "fallback"] + (["triton"] if args.device == "cuda" else [])
+    paths += ["naive-linear", "fused-linear"]
+    threads = torch.get_num_threads()
+    print(f"device {args.device}, {args.dtype}, {threads} CPU threads, {args.rounds} rounds, "
+          f"hidden width {HIDDEN}", flush=True)
+    results = {}
+    for size in args.sizes:
+        rows, V = (int(n) for n in size.split("x"))
+        res = bench_size(rows, V, paths, args.device, args.dtype, args.rounds)
+        if res:
+            results[(rows, V)] = res
+    print()
+    print_table(results)
+    check_targets(results)
+
+
+if __name__ == "__main__":
+    main()

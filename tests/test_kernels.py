@@ -1,0 +1,326 @@
+"""Tests for kernels/: every path (the Triton kernels under TRITON_INTERPRET=1, the PyTorch
+fallback, the fused linear + log-prob) against a float64 oracle written plainly below, forward
+and backward with a random upstream gradient.
+
+    python -m pytest -q tests/test_kernels.py        (about a minute on two CPU cores)
+
+Tolerances, per input dtype (the outputs are always fp32):
+    fp32 logits: log-probs and entropies to 2e-5 absolute (they are O(10); fp32 carries ~7
+                 digits), gradients to 1e-5 absolute (they are O(1)).
+    bf16 logits: the oracle reads the same bf16 values, so log-probs still agree to 2e-5; the
+                 gradient is returned in bf16, 8 bits of mantissa: relative 2**-7.
+"""
+import math
+import os
+import subprocess
+import sys
+
+# triton.jit reads TRITON_INTERPRET when a kernel is defined, i.e. when kernels/ is imported, so
+# this must come first. With it, the Triton kernels run on CPU tensors in Triton's interpreter.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import kernels  # noqa: E402
+from kernels import clipped_loss, fused_linear, logprob  # noqa: E402
+
+# Another test module may have imported kernels/ before this one set TRITON_INTERPRET; then the
+# kernels were defined for a GPU. Define them again, for the interpreter.
+if logprob.triton is not None and not logprob.INTERPRET and os.environ["TRITON_INTERPRET"] == "1":
+    for module in (logprob, clipped_loss, fused_linear, kernels):
+        importlib.reload(module)
+
+HAS_TRITON = logprob.triton is not None and (logprob.INTERPRET or torch.cuda.is_available())
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAS_TRITON, reason="needs triton, and a GPU or TRITON_INTERPRET=1"))]
+FP32 = dict(value=2e-5, grad=1e-5)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    previous = kernels.set_backend(request.param)
+    yield request.param
+    kernels.set_backend(previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# The float64 oracles, written the plain way.
+# ---------------------------------------------------------------------------------------------
+def oracle_log_probs(logits, actions, temperature=1.0):
+    """The post's log_softmax + gather, in float64, plus the entropy."""
+    logp_all = torch.log_softmax(logits.double() / temperature, -1)
+    p = logp_all.exp()
+    entropy = -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)   # 0 log 0 = 0
+    return logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def oracle_clipped_loss(logp, logp_old, adv, mask, clip):
+    """The post's ppo_losses policy term, float64, with padding dropped from the token sum."""
+    ratio = (logp.double() - logp_old.double()).exp()
+    clipped = torch.min(ratio * adv.double(), ratio.clamp(1 - clip, 1 + clip) * adv.double())
+    keep = mask.bool()
+    clipped = torch.where(keep, clipped, 0.0)
+    n = keep.sum().clamp(min=1)
+    clipfrac = torch.where(keep, ((ratio - 1).abs() > clip).double(), 0.0).sum() / n
+    k3 = torch.where(keep, (ratio - 1) - ratio.log(), 0.0).sum() / n
+    return -clipped.sum(-1).mean(), clipfrac, k3
+
+
+def check_log_probs(fn, logits, actions, temperature=1.0, value_tol=2e-5, grad_rtol=0.0,
+                    grad_atol=1e-5):
+    """fn(logits, actions, temperature) -> (logp, entropy); compare values and gradients through
+    both outputs (random upstream gradients) with the oracle."""
+    x = logits.detach().clone().requires_grad_()
+    logp, entropy = fn(x, actions, temperature)
+    assert logp.dtype == entropy.dtype == torch.float32 and logp.shape == actions.shape
+    g_logp, g_ent = torch.randn_like(logp), torch.randn_like(entropy)
+    (grad,) = torch.autograd.grad((logp * g_logp).sum() + (entropy * g_ent).sum(), x)
+
+    x64 = logits.detach().double().requires_grad_()
+    logp64, entropy64 = oracle_log_probs(x64, actions, temperature)
+    (grad64,) = torch.autograd.grad((logp64 * g_logp.double()).sum()
+                                    + (entropy64 * g_ent.double()).sum(), x64)
+    torch.testing.assert_close(logp.double(), logp64, rtol=1e-6, atol=value_tol)
+    torch.testing.assert_close(entropy.double(), entropy64, rtol=1e-6, atol=value_tol)
+    assert grad.dtype == logits.dtype
+    torch.testing.assert_close(grad.double(), grad64, rtol=grad_rtol, atol=grad_atol)
+
+
+def via_logits(x, a, t):
+    return kernels.gather_log_probs(x, a, t, return_entropy=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# gather_log_probs
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("V", [1, 7, 4097])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_match_float64(backend, V, temperature):
+    torch.manual_seed(V)
+    logits = 3 * torch.randn(3, 5, V)                        # 15 rows, V not a block multiple
+    actions = torch.randint(0, V, (3, 5))
+    check_log_probs(via_logits, logits, actions, temperature)
+
+
+@pytest.mark.parametrize("rows,V", [(2, 49152), (1, 151936)])  # SmolLM2's and Qwen's vocabularies
+def test_log_probs_long_vocabularies(backend, rows, V):
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(rows, V)
+    actions = torch.randint(0, V, (rows,))
+    check_log_probs(via_logits, logits, actions, value_tol=1e-4)   # logsumexp over 150k terms
+
+
+def test_one_row_and_the_post_slice(backend):
+    """A single (V,) row, and the post's logits[:, P - 1:-1] slice, which is not contiguous and
+    must be read in place."""
+    torch.manual_seed(1)
+    check_log_probs(via_logits, torch.randn(300), torch.tensor(17))
+    full = torch.randn(2, 9, 301)
+    logits, actions = full[:, 3:-1], torch.randint(0, 301, (2, 5))
+    assert not logits.is_contiguous()
+    check_log_probs(via_logits, logits, actions, temperature=0.7)
+
+
+def test_huge_logits(backend):
+    """Logits of +-1e4: nothing overflows, and log-probs near -3e4 keep fp32's relative precision.
+    In fp32, z = 1e4 / 0.7 is only known to its ulp, ~1e-3, so p = exp(z - lse) near the top is
+    good to ~1e-3 relative, and so is the gradient: the post's expression run in fp32 is itself
+    1.3e-4 off the float64 one here, ours 1.7e-4 (fallback) and 2.4e-4 (Triton)."""
+    torch.manual_seed(2)
+    logits = 1e4 * (2 * torch.rand(4, 4097) - 1)
+    actions = torch.randint(0, 4097, (4,))
+    check_log_probs(via_logits, logits, actions, temperature=0.7, value_tol=1e-2, grad_atol=1e-3)
+
+
+def test_minus_inf_except_target(backend):
+    """-inf everywhere but the target: logp = 0, H = 0, and every gradient 0 (not nan)."""
+    V = 4097
+    actions = torch.tensor([0, 4096, 2000])
+    logits = torch.full((3, V), float("-inf"))
+    logits[torch.arange(3), actions] = torch.tensor([5.0, -3.0, 1e4])
+    logits.requires_grad_()
+    logp, entropy = kernels.gather_log_probs(logits, actions, return_entropy=True)
+    assert logp.tolist() == [0.0, 0.0, 0.0] and entropy.tolist() == [0.0, 0.0, 0.0]
+    (logp.sum() + entropy.sum()).backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_bf16_logits(backend):
+    torch.manual_seed(3)
+    logits = (3 * torch.randn(6, 4097)).bfloat16()
+    actions = torch.randint(0, 4097, (6,))
+    # bf16 gradient: relative 2**-7 (8 mantissa bits, with a rounding on each side)
+    check_log_probs(via_logits, logits, actions, grad_rtol=2**-7, grad_atol=1e-6)
+
+
+def test_logp_alone_and_temperature_semantics(backend):
+    """Without return_entropy: one tensor, equal to the post's expression on logits / T."""
+    torch.manual_seed(4)
+    logits, actions = torch.randn(2, 3, 50), torch.randint(0, 50, (2, 3))
+    logp = kernels.gather_log_probs(logits, actions, temperature=0.7)
+    post = torch.log_softmax(logits / 0.7, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logp, post, rtol=0, atol=1e-6)
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="disagree"):
+        kernels.gather_log_probs(torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer"):
+        kernels.gather_log_probs(torch.randn(2, 5), torch.zeros(2))
+    with pytest.raises(TypeError, match="float32"):
+        kernels.gather_log_probs(torch.randn(2, 5).double(), torch.zeros(2, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# gather_log_probs_from_hidden
+# ---------------------------------------------------------------------------------------------
+def via_hidden(weight):
+    def fn(hidden, actions, temperature):
+        return kernels.gather_log_probs_from_hidden(hidden, weight, actions, temperature,
+                                                    return_entropy=True)
+    return fn
+
+
+@pytest.mark.parametrize("V", [7, 4097, 49152])
+def test_hidden_matches_float64(backend, monkeypatch, V):
+    """Fused linear + log-prob, gradients into the hidden states and the weight, over several
+    row chunks (CHUNK_ELEMENTS shrunk so 10 rows make 3 or more chunks)."""
+    monkeypatch.setattr(fused_linear, "CHUNK_ELEMENTS", 4 * V)
+    torch.manual_seed(V)
+    H = 16
+    hidden = torch.randn(2, 5, H)
+    weight = (torch.randn(V, H) / math.sqrt(H) * 3).requires_grad_()
+    actions = torch.randint(0, V, (2, 5))
+    h = hidden.clone().requires_grad_()
+    logp, entropy = via_hidden(weight)(h, actions, 0.7)
+    g_logp, g_ent = torch.randn_like(logp), torch.randn_like(entropy)
+    grad_h, grad_w = torch.autograd.grad((logp * g_logp).sum() + (entropy * g_ent).sum(),
+                                         (h, weight))
+
+    h64, w64 = hidden.double().requires_grad_(), weight.detach().double().requires_grad_()
+    logp64, entropy64 = oracle_log_probs(h64 @ w64.T, actions, 0.7)
+    grad_h64, grad_w64 = torch.autograd.grad((logp64 * g_logp.double()).sum()
+                                             + (entropy64 * g_ent.double()).sum(), (h64, w64))
+    # fp32 matmuls over H = 16 and sums over V: a few 1e-6 relative
+    torch.testing.assert_close(logp.double(), logp64, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(entropy.double(), entropy64, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad_h.double(), grad_h64, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad_w.double(), grad_w64, rtol=1e-4, atol=1e-5)
+
+
+def test_hidden_frozen_head_and_bf16(backend):
+    """ppo.py's case: a frozen lm_head (no grad computed for it) in bf16."""
+    torch.manual_seed(5)
+    H, V = 32, 1000
+    weight = (torch.randn(V, H) / math.sqrt(H)).bfloat16()
+    hidden = torch.randn(3, 4, H).bfloat16().requires_grad_()
+    actions = torch.randint(0, V, (3, 4))
+    logp = kernels.gather_log_probs_from_hidden(hidden, weight, actions)
+    g = torch.randn_like(logp)
+    (logp * g).sum().backward()
+    h64 = hidden.detach().double().requires_grad_()
+    logp64, _ = oracle_log_probs((h64.bfloat16() @ weight.T).double(), actions)  # bf16 logits
+    (logp64 * g.double()).sum().backward()
+    torch.testing.assert_close(logp.double(), logp64, rtol=0, atol=1e-4)
+    # the chain goes through bf16 logits and a bf16 matmul: relative 2**-6
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=2**-6, atol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# masked_clipped_loss
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("advantage,objective,grad", [(2.0, 2.4, 0.0), (-2.0, -3.0, -3.0)])
+def test_clip_worked_example(backend, advantage, objective, grad):
+    """rho = 1.5, eps = 0.2. A = +2: min(3.0, 2.4) = 2.4 and no gradient, the incentive is gone.
+    A = -2: min(-3.0, -2.4) = -3.0 and dJ/dlogp = rho A = -3.0, the clip does not hold back."""
+    logp = torch.tensor([[math.log(0.30)]], requires_grad=True)   # pi_theta = 0.30
+    logp_old = torch.tensor([[math.log(0.20)]])                   # pi_old = 0.20
+    loss, stats = kernels.masked_clipped_loss(logp, logp_old, torch.tensor([[advantage]]),
+                                              torch.ones(1, 1), clip=0.2)
+    loss.backward()
+    assert loss.item() == pytest.approx(-objective, abs=1e-6)     # (10) L = -J
+    assert logp.grad.item() == pytest.approx(-grad, abs=1e-6)     # dL/dlogp = -dJ/dlogp
+    assert stats["clipfrac"].item() == 1.0                        # |1.5 - 1| > 0.2
+    assert stats["approx_kl"].item() == pytest.approx(0.5 - math.log(1.5), abs=1e-6)
+
+
+def test_clipped_loss_matches_float64(backend):
+    torch.manual_seed(6)
+    B, T = 4, 37
+    logp_old = -3 * torch.rand(B, T)
+    logp = (logp_old + 0.3 * torch.randn(B, T)).requires_grad_()   # ratios spread across the clip
+    adv = torch.randn(B, T)
+    lengths = torch.tensor([37, 20, 1, 9])                          # ragged responses
+    mask = (torch.arange(T) < lengths[:, None]).float()
+    loss, stats = kernels.masked_clipped_loss(logp, logp_old, adv, mask, clip=0.2)
+    upstream = torch.randn(())
+    (grad,) = torch.autograd.grad(loss * upstream, logp)
+
+    logp64 = logp.detach().double().requires_grad_()
+    loss64, clipfrac64, k3_64 = oracle_clipped_loss(logp64, logp_old, adv, mask, 0.2)
+    (grad64,) = torch.autograd.grad(loss64 * upstream.double(), logp64)
+    assert 0.1 < clipfrac64 < 0.9                                   # both branches exercised
+    torch.testing.assert_close(loss.double(), loss64, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), grad64, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(stats["clipfrac"].double(), clipfrac64, rtol=0, atol=1e-6)
+    torch.testing.assert_close(stats["approx_kl"].double(), k3_64, rtol=1e-5, atol=1e-7)
+    assert not stats["approx_kl"].requires_grad
+
+
+def test_masked_tokens_contribute_nothing(backend):
+    """Whatever sits under mask = 0 (here inf and nan) changes neither the loss, nor the stats,
+    nor any gradient; an all-padding batch gives 0, not nan."""
+    torch.manual_seed(7)
+    logp_old, adv = -torch.rand(2, 6), torch.randn(2, 6)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]])
+    clean = (logp_old + 0.1 * torch.randn(2, 6))
+    dirty = clean.masked_fill(mask == 0, float("nan")).requires_grad_()
+    bad_adv = adv.masked_fill(mask == 0, float("inf"))
+    clean = clean.masked_fill(mask == 0, 0.0).requires_grad_()
+    loss_a, stats_a = kernels.masked_clipped_loss(clean, logp_old, adv, mask)
+    loss_b, stats_b = kernels.masked_clipped_loss(dirty, logp_old, bad_adv, mask.bool())
+    loss_a.backward()
+    loss_b.backward()
+    assert loss_a.item() == loss_b.item() and torch.isfinite(loss_a)
+    assert torch.equal(clean.grad, dirty.grad)
+    assert (clean.grad[mask == 0] == 0).all()
+    assert stats_a["approx_kl"].item() == stats_b["approx_kl"].item()
+
+    nothing = clean.detach().clone().requires_grad_()
+    loss, stats = kernels.masked_clipped_loss(nothing, logp_old, adv, torch.zeros(2, 6))
+    loss.backward()
+    assert loss.item() == 0.0 and stats["clipfrac"].item() == 0.0
+    assert stats["approx_kl"].item() == 0.0 and (nothing.grad == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend selection
+# ---------------------------------------------------------------------------------------------
+def test_set_backend():
+    previous = kernels.set_backend("auto")
+    try:
+        assert kernels._resolve(torch.zeros(1)) == "torch"        # CPU tensors: the fallback
+        with pytest.raises(ValueError, match="one of"):
+            kernels.set_backend("cuda")
+        assert kernels.set_backend("torch") == "auto"
+    finally:
+        kernels.set_backend(previous)
+
+
+def test_backend_environment_variable():
+    code = "import kernels; print(kernels._backend)"
+    env = dict(os.environ, RLHF_KERNELS_BACKEND="torch")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.strip() == "torch", out.stderr
+    env["RLHF_KERNELS_BACKEND"] = "cuda"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and "RLHF_KERNELS_BACKEND" in out.stderr
