@@ -77,7 +77,7 @@ INTERPRET = _interpreting()
 # a block and its two or three temporaries stay inside a 32 MB L3 cache, and peak memory no longer
 # grows with the number of rows. The loop is over blocks, never over single rows (unless V alone
 # exceeds the budget, when one row is the smallest block there is).
-BLOCK_ELEMENTS = 2**20
+BLOCK_ELEMENTS = 2**24
 
 
 def as_rows(logits, actions):
@@ -126,7 +126,8 @@ def forward_torch(x, a, temperature, with_entropy):
         log_p = torch.log_softmax(z, -1)                     # (b, t, V)
         # logp = z[a] - lse
         logp[bs, ts] = log_p.gather(-1, a[bs, ts, None]).squeeze(-1)
-        # lse = z_j - log p_j for every j; at the largest z_j both are exact, max log p = -log s
+        # lse = z_j - log p_j for any j; at the largest z_j both are exact (log p_j there is
+        # -log sum exp(z - max)), so lse = max z - max log p, as logsumexp would have it
         lse[bs, ts] = z.amax(-1) - log_p.amax(-1)
         if with_entropy:
             # H = -sum_j p_j log p_j; entr() is -p log p with 0 where p = 0 (entries of -inf)

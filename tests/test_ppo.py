@@ -231,3 +231,15 @@ def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
     assert [timing(r) for r in resumed["iterations"]] == \
         [timing(r) for r in straight["iterations"]]
     assert resumed["final"]["reward"] == straight["final"]["reward"]
+
+
+def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
+    out = run("ppo.py", "--preset", "tiny", "--reward-model", str(tiny_reward_model),
+              "--beta", "0", "0.5", "--seeds", "0", "1", "--iterations", "1",
+              "--out", str(tmp_path))
+    assert "reward, worst to best" in out and "(ref)" in out and "human" in out
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert sorted((r["beta"], r["seed"]) for r in sweep["runs"]) == \
+        [(0.0, 0), (0.0, 1), (0.5, 0), (0.5, 1)]
+    assert (tmp_path / "sweep.png").exists()
+    assert (tmp_path / "beta0.5_seed1" / "results.json").exists()

@@ -32,7 +32,7 @@ METRIC_KEYS = {"heldout_accuracy", "wilson_low", "wilson_high", "heldout_pairs",
 
 
 def tiny_settings(seed=0):
-    return {"base_model": loaders.POLICY_NAME, "tiny": True, "seed": seed,
+    return {"base_model": loaders.POLICY_NAME, "tiny": True, "seed": seed, "lora_layers": 0,
             "lora_r": 16, "lora_alpha": 32, "max_prompt_tokens": 64,
             "max_summary_tokens": 24, "resolved_from": "test", "pad_id": 2, "eos_id": 2}
 
@@ -89,67 +89,83 @@ def test_loss_decreases_on_a_tiny_fixed_set(comparisons):
     assert final_acc == 1.0
 
 
-def padded_both_ways(sequences, extra=0):
-    """The same id lists padded on the right and on the left (plus `extra` pad columns)."""
-    width = max(map(len, sequences)) + extra
-    right = torch.full((len(sequences), width), 2)
-    left = torch.full((len(sequences), width), 2)
-    right_mask = torch.zeros(len(sequences), width, dtype=torch.long)
-    left_mask = torch.zeros(len(sequences), width, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        right[i, :len(seq)], right_mask[i, :len(seq)] = torch.tensor(seq), 1
-        left[i, width - len(seq):], left_mask[i, width - len(seq):] = torch.tensor(seq), 1
-    return (right, right_mask), (left, left_mask)
+def rows(n_tokens, seed):
+    """Random id lists of the given lengths, each ending in EOS (id 2)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 40000, (n,), generator=g).tolist() + [2] for n in n_tokens]
 
 
 def check_padding(model, sequences, tol):
+    """Right, left, and extra padding on both sides all give the unpadded scores."""
+    ones = lambda s: torch.ones(1, len(s), dtype=torch.long)
     with torch.no_grad():
-        alone = torch.cat([model(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))
-                           for s in sequences])                           # (B,) no padding
-        (right, rmask), (left, lmask) = padded_both_ways(sequences)
-        (right5, rmask5), (left5, lmask5) = padded_both_ways(sequences, extra=5)
-        for ids, mask in ((right, rmask), (left, lmask), (right5, rmask5), (left5, lmask5)):
-            assert (model(ids, mask) - alone).abs().max().item() < tol
+        alone = torch.cat([model(torch.tensor([s]), ones(s)) for s in sequences])  # (B,)
+        for side in ("right", "left"):
+            ids, mask = rm.pad(sequences, 2, side, "cpu")                  # (B, L)
+            assert (model(ids, mask) - alone).abs().max().item() < tol, side
+            junk = torch.full((len(sequences), 5), 2)                      # (B, 5) more pads
+            zeros = torch.zeros(len(sequences), 5, dtype=torch.long)
+            ids, mask = torch.cat([junk, ids, junk], 1), torch.cat([zeros, mask, zeros], 1)
+            assert (model(ids, mask) - alone).abs().max().item() < tol, side + " + 10 pads"
     return alone
 
 
 def test_score_is_the_same_with_left_or_right_padding_and_extra_padding():
-    model, tokenizer = tiny_model()
-    g = torch.Generator().manual_seed(3)
-    sequences = [torch.randint(3, 40000, (n,), generator=g).tolist() + [2] for n in (5, 17, 30)]
-    alone = check_padding(model, sequences, tol=1e-5)
-    assert alone.std() > 1e-3                # the rows really score differently
+    model, _ = tiny_model()
+    alone = check_padding(model, rows((4, 17, 30), seed=3), tol=1e-5)
+    assert alone.std() > 1e-3                     # the rows really do score differently
+
+
+def test_shared_prompt_pass_equals_full_passes_in_value_and_gradient():
+    """The training path (prompt read once, K/V copied) is the PPO path, exactly."""
+    model, _ = tiny_model()
+    prompts = rows((9, 25, 14), seed=5)
+    summaries = rows((3, 11, 7, 20, 1), seed=6)
+    owner = torch.tensor([0, 2, 0, 1, 2])
+    shared = model.forward_shared(prompts, summaries, owner)               # (5,)
+    shared.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    ids, mask = rm.pad([prompts[o] + s for o, s in zip(owner, summaries)], 2, "right", "cpu")
+    full = model(ids, mask)                                                # (5,)
+    full.sum().backward()
+    assert (shared - full).abs().max().item() < 1e-5
+    for g, p in zip(grads, [p for p in model.parameters() if p.requires_grad]):
+        assert (g - p.grad).abs().max().item() < 1e-5 * max(1.0, p.grad.abs().max().item())
 
 
 def test_score_ids_reads_the_response_eos_after_a_left_padded_prompt():
-    """PPO's layout: [pad.. prompt][response EOS pad..] scores like the bare sequence."""
+    """PPO's layout, [pads, prompt][response, EOS, pads], scores like the bare sequence."""
     model, tokenizer = tiny_model()
     prompts = ["SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: short.\n\nTL;DR:",
                "SUBREDDIT: r/b\n\nTITLE: a longer title\n\nPOST: one. two. three.\n\nTL;DR:"]
     summaries = ["ok", "a somewhat longer summary here"]
-    bare = [rm.encode(tokenizer, p, s, 24) for p, s in zip(prompts, summaries)]
-    p_ids = [tokenizer(p).input_ids for p in prompts]
-    r_ids = [seq[len(p):] for seq, p in zip(bare, p_ids)]                # ends in EOS (2)
-    (_, _), (prompt_ids, prompt_mask) = padded_both_ways(p_ids)           # (B, P) left
-    (response_ids, response_mask), _ = padded_both_ways(r_ids, extra=3)   # (B, T) right
+    encoded = [rm.encode(tokenizer, p, s, 24) for p, s in zip(prompts, summaries)]
+    prompt_ids, prompt_mask = rm.pad([p for p, _ in encoded], 2, "left", "cpu")   # (B, P)
+    response_ids, _ = rm.pad([s + [2, 2] for _, s in encoded], 2, "right", "cpu")  # (B, T)
+    response_mask = torch.zeros_like(response_ids)                         # (B, T)
+    for i, (_, s) in enumerate(encoded):
+        response_mask[i, :len(s)] = 1             # up to and including the first EOS only
     got = rm.score_ids(model, prompt_ids, prompt_mask, response_ids, response_mask)
     with torch.no_grad():
-        want = torch.cat([model(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))
-                          for s in bare])
+        want = torch.cat([model(torch.tensor([p + s]), torch.ones(1, len(p + s), dtype=torch.long))
+                          for p, s in encoded])
     assert (got - want).abs().max().item() < 1e-5
     texts = rm.score_texts(model, tokenizer, prompts, summaries)
     assert (texts - want).abs().max().item() < 1e-5
+    assert encoded[0][1] == tokenizer(" ok").input_ids + [2]     # " " + summary, then EOS
 
 
 def test_padding_on_the_real_model():
     try:
-        settings = {**tiny_settings(), "tiny": False}
-        model, _ = rm.build_reward_model(settings)
+        model, _ = rm.build_reward_model({**tiny_settings(), "tiny": False, "lora_layers": 2})
     except (RuntimeError, OSError) as error:
         pytest.skip(f"SmolLM2-135M not available offline: {error}")
-    g = torch.Generator().manual_seed(4)
-    sequences = [torch.randint(3, 40000, (n,), generator=g).tolist() + [2] for n in (6, 21)]
-    check_padding(model, sequences, tol=1e-4)     # fp32 through 30 layers: ~1e-6 seen
+    with torch.no_grad():
+        sequences = rows((5, 19), seed=4)
+        right = model(*rm.pad(sequences, 2, "right", "cpu"))
+        left = model(*rm.pad(sequences, 2, "left", "cpu"))
+    assert (right - left).abs().max().item() < 1e-4   # fp32 through 30 layers: ~1e-6 seen
 
 
 # ------------------------------------------------------------------ data and the script
