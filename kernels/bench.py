@@ -21,7 +21,8 @@ Method.
     Time: each measurement runs in its own fresh process, which first warms the path up on 2 rows
     and then times one full-size forward+backward. The processes of all paths are interleaved,
     round after round (--rounds), and the table shows the median over rounds, so a neighbour's
-    load falls on every path alike. On CUDA the time is taken after torch.cuda.synchronize().
+    load falls on every path alike. On CUDA the warm-up is at full size (Triton compiles then),
+    each process times 5 runs between torch.cuda.synchronize() calls and keeps the median.
     Peak extra memory: the highest memory in use during the runs minus what was in use once the
     inputs were allocated, so the inputs themselves do not count and the gradient that is
     returned does. On CUDA: torch.cuda.max_memory_allocated() minus memory_allocated(). On the
@@ -48,7 +49,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))           # `python kernels/bench.py` puts kernels/, not the root, first
+sys.path.insert(0, str(ROOT))       # `python kernels/bench.py` puts kernels/, not the root, first
 
 import kernels  # noqa: E402
 
@@ -110,7 +111,9 @@ def resident_bytes():
 
 def worker(path, rows, V, device, dtype):
     cuda = device == "cuda"
-    run_path(path, make_inputs(path, 2, V, device, dtype))     # warm-up on 2 rows
+    # Warm up on 2 rows on the CPU; on CUDA at full size, so that Triton compiles (it specialises
+    # on argument values) before the clock starts.
+    run_path(path, make_inputs(path, rows if cuda else 2, V, device, dtype))
     inputs = make_inputs(path, rows, V, device, dtype)
     if cuda:
         torch.cuda.synchronize()
@@ -118,11 +121,14 @@ def worker(path, rows, V, device, dtype):
         baseline = torch.cuda.memory_allocated()
     else:
         baseline = resident_bytes()
-    start = time.perf_counter()
-    run_path(path, inputs)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    times = []
+    for _ in range(5 if cuda else 1):                         # a GPU run is ms: take a median
+        start = time.perf_counter()
+        run_path(path, inputs)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     if cuda:
         peak = torch.cuda.max_memory_allocated()
     else:
@@ -238,14 +244,15 @@ def main():
     paths += ["naive-linear", "fused-linear"]
     threads = torch.get_num_threads()
     print(f"device {args.device}, {args.dtype}, {threads} CPU threads, {args.rounds} rounds, "
-          f"hidden width {HIDDEN}", flush=True)
+          f"hidden width {HIDDEN}; load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     results = {}
     for size in args.sizes:
         rows, V = (int(n) for n in size.split("x"))
         res = bench_size(rows, V, paths, args.device, args.dtype, args.rounds)
         if res:
             results[(rows, V)] = res
-    print()
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end (over {os.cpu_count()} CPUs: a "
+          f"neighbour's load slows every path, the fallback's many small ops the most)\n")
     print_table(results)
     check_targets(results)
 

@@ -110,7 +110,7 @@ if triton is not None:
 def loss_terms_triton(logp, logp_old, adv, keep, clip):
     """Launcher: same contract as loss_terms_torch."""
     if triton is None:
-        raise RuntimeError("the Triton backend needs `pip install triton`; use set_backend('torch')")
+        raise RuntimeError("the Triton backend needs `pip install triton`; or set_backend('torch')")
     if not logp.is_cuda and not INTERPRET:
         raise RuntimeError("Triton kernels need CUDA tensors; to run them on the CPU (slowly, for "
                            "tests) set TRITON_INTERPRET=1 before `import kernels`")

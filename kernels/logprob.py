@@ -18,6 +18,8 @@ Math. With p = softmax(z), lse = logsumexp(z), g = dL/dlogp and h = dL/dH for on
 
     logp  = z[a] - lse
     H     = -sum_j p_j log p_j  =  lse - sum_j p_j z_j              (the entropy of eq. (12))
+          =  log s - (1/s) sum_j e^(z_j - m) (z_j - m),   m = max z, s = sum_j e^(z_j - m)
+             (the kernel's form: nothing of the size of z cancels when the logits are 1e4)
     dlogp/dz_j = 1[j = a] - p_j                                     (softmax Jacobian, one row)
     dH/dz_j    = -p_j (log p_j + H)
     dL/dlogits_j = (g (1[j = a] - p_j) - h p_j (log p_j + H)) / temperature
@@ -29,6 +31,7 @@ Memory traffic per row (s = bytes per logit: 4 for fp32, 2 for bf16/fp16):
     backward: read V s bytes again, write V s bytes of grad_logits, read 5 numbers
     the post: log_softmax reads V s and writes V s, and that output is saved; its backward fills a
               zero tensor, scatters into it, and reads two V-sized tensors to write a third.
+    fallback: the Triton traffic plus passes over a block of rows that stays in a reused buffer.
 
 Departures from the post, stated once:
     1. The result is fp32 whatever the logits' dtype (the post's log_softmax on bf16 logits
@@ -73,11 +76,15 @@ def _interpreting():
 
 INTERPRET = _interpreting()
 
-# The fallback works on blocks of about this many logits at a time: 2**20 fp32 values are 4 MB, so
-# a block and its two or three temporaries stay inside a 32 MB L3 cache, and peak memory no longer
-# grows with the number of rows. The loop is over blocks, never over single rows (unless V alone
-# exceeds the budget, when one row is the smallest block there is).
-BLOCK_ELEMENTS = 2**24
+# The fallback works on blocks of about this many logits at a time (32M: 128 MB in fp32), reusing
+# the same one or two block-sized buffers from block to block. Why this size: peak memory stays at
+# a block or two however many rows there are (plus the gradient, which backward must return); and
+# each PyTorch op gets enough work to dwarf the cost of waking its worker threads. That cost is
+# small on an idle machine but not on a busy one, where a descheduled worker holds up every op:
+# on our shared 2-core CI box, 4 MB blocks took 8x the time of the post's code, 128 MB blocks
+# 0.75x (with one thread, where nothing waits, both took 0.6x). The loop is over blocks,
+# never over single rows (unless V alone exceeds the budget: one row is the smallest block).
+BLOCK_ELEMENTS = 2**25
 
 
 def as_rows(logits, actions):
@@ -99,12 +106,36 @@ def as_rows(logits, actions):
 
 def _blocks(B, T, V):
     """Yield (batch slice, position slice) pairs covering a (B, T, V) tensor in blocks of about
-    BLOCK_ELEMENTS logits. Every block is a view, so a strided input is never copied."""
+    BLOCK_ELEMENTS logits. Every block is a view, so a strided input is never copied. The first
+    block is the largest."""
     t_step = min(T, max(1, BLOCK_ELEMENTS // V))
     b_step = max(1, BLOCK_ELEMENTS // (t_step * V))
     for b0 in range(0, B, b_step):
         for t0 in range(0, T, t_step):
             yield slice(b0, b0 + b_step), slice(t0, t0 + t_step)
+
+
+class _Workspace:
+    """Block-sized fp32 buffers, allocated at the first block and reused for the rest: a fresh
+    128 MB tensor per block would cost a page fault per 4 kB, every block."""
+
+    def __init__(self):
+        self.buffers = {}
+
+    def get(self, name, like):
+        """A (b, t, V) fp32 view the shape of `like`, from buffer `name`."""
+        if name not in self.buffers:
+            self.buffers[name] = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        b, t, _ = like.shape
+        return self.buffers[name][:b, :t]
+
+
+def _scaled(x_blk, temperature, work):
+    """z = logits / temperature in fp32: a view of x when there is nothing to do."""
+    if x_blk.dtype == torch.float32 and temperature == 1.0:
+        return x_blk
+    z = work.get("z", x_blk).copy_(x_blk)                    # exact upcast of bf16/fp16
+    return z.div_(temperature) if temperature != 1.0 else z  # departure 2: z = logits / T
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,44 +148,46 @@ def forward_torch(x, a, temperature, with_entropy):
     logp = torch.empty((B, T), dtype=torch.float32, device=x.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if with_entropy else None
+    work = _Workspace()
     for bs, ts in _blocks(B, T, V):
-        z = x[bs, ts].float()                                # (b, t, V) fp32; no copy if fp32
-        if temperature != 1.0:
-            z = z / temperature                              # departure 2: z = logits / T
-        # log_softmax is one fused pass in PyTorch (logsumexp is several on the CPU); the block
-        # of log-probs it writes is a few MB and dies with the block.
-        log_p = torch.log_softmax(z, -1)                     # (b, t, V)
+        z = _scaled(x[bs, ts], temperature, work)            # (b, t, V) fp32
+        # log_softmax is one fused pass in PyTorch (logsumexp is several on the CPU)
+        log_p = torch.log_softmax(z, -1, out=work.get("log_p", z))
         # logp = z[a] - lse
         logp[bs, ts] = log_p.gather(-1, a[bs, ts, None]).squeeze(-1)
         # lse = z_j - log p_j for any j; at the largest z_j both are exact (log p_j there is
         # -log sum exp(z - max)), so lse = max z - max log p, as logsumexp would have it
         lse[bs, ts] = z.amax(-1) - log_p.amax(-1)
         if with_entropy:
-            # H = -sum_j p_j log p_j; entr() is -p log p with 0 where p = 0 (entries of -inf)
-            entropy[bs, ts] = torch.special.entr(log_p.exp_()).sum(-1)
+            # H = -sum_j p_j log p_j. Entries of -inf would make 0 * -inf = nan: clamp them to the
+            # most negative float first, so that p log p = 0 * (-3.4e38) = 0 there.
+            log_p.clamp_(min=torch.finfo(torch.float32).min)
+            p = torch.exp(log_p, out=work.get("p", z))
+            entropy[bs, ts] = -p.mul_(log_p).sum(-1)
     return logp, lse, entropy
 
 
-def backward_torch(x, a, temperature, lse, entropy, grad_logp, grad_entropy):
-    """dL/dx (B, T, V) in x's dtype, from the saved lse (and entropy when it was returned)."""
+def backward_torch(x, a, temperature, lse, entropy, grad_logp, grad_entropy, out=None):
+    """dL/dx (B, T, V) in x's dtype, from the saved lse (and entropy when it was returned);
+    written into `out` if given (fused_linear.py reuses one buffer across its chunks)."""
     B, T, V = x.shape
-    grad_x = torch.empty((B, T, V), dtype=x.dtype, device=x.device)
+    grad_x = torch.empty((B, T, V), dtype=x.dtype, device=x.device) if out is None else out
+    work = _Workspace()
     for bs, ts in _blocks(B, T, V):
-        z = x[bs, ts].float()
+        z = _scaled(x[bs, ts], temperature, work)            # (b, t, V) fp32
         g = grad_logp[bs, ts, None]                          # (b, t, 1)
-        # Work in the gradient's own memory when it is fp32: no block-sized temporary, no copy.
-        dz = grad_x[bs, ts] if x.dtype == torch.float32 else torch.empty_like(z)
-        if temperature == 1.0:
-            torch.sub(z, lse[bs, ts, None], out=dz)          # log p = z - lse
-        else:
-            torch.div(z, temperature, out=dz).sub_(lse[bs, ts, None])
-        p = dz.exp_()                                        # (b, t, V) recomputed softmax
+        # Work in the gradient's own memory when it is fp32: no temporary, no copy.
+        dz = grad_x[bs, ts] if x.dtype == torch.float32 else work.get("dz", z)
         if grad_entropy is None:
-            dz = p.mul_(-g)                                  # -g p_j
+            p = torch.sub(z, lse[bs, ts, None], out=dz).exp_()   # recomputed softmax, in place
+            p.mul_(-g)                                       # -g p_j
         else:
-            # dH/dz_j = -p_j (log p_j + H) = entr(p_j) - p_j H
-            d_entropy = torch.special.entr(p).sub_(p * entropy[bs, ts, None])
-            dz = p.mul_(-g).add_(d_entropy.mul_(grad_entropy[bs, ts, None]))
+            log_p = torch.sub(z, lse[bs, ts, None], out=work.get("log_p", z))
+            log_p.clamp_(min=torch.finfo(torch.float32).min)     # as in forward: no 0 * -inf
+            p = torch.exp(log_p, out=dz)
+            # dH/dz_j = -p_j (log p_j + H): + h dH/dz_j, with h = dL/dH
+            d_entropy = log_p.add_(entropy[bs, ts, None]).mul_(p)
+            p.mul_(-g).addcmul_(d_entropy, grad_entropy[bs, ts, None], value=-1)
         dz.scatter_add_(-1, a[bs, ts, None], g)              # + g 1[j = a]
         if temperature != 1.0:
             dz.div_(temperature)                             # dz/dlogits = 1 / T
@@ -210,7 +243,7 @@ if triton is not None:
         z_a = tl.load(row_ptr + a).to(tl.float32) * inv_temperature  # one gathered logit
         tl.store(logp_ptr + row, z_a - lse)                  # logp = z[a] - lse
         tl.store(lse_ptr + row, lse)
-        tl.store(entropy_ptr + row, tl.log(s) - u / s)       # H = lse - sum_j p_j z_j
+        tl.store(entropy_ptr + row, tl.log(s) - u / s)       # H = log s - u / s
 
     @triton.jit
     def _logprob_bwd_kernel(
@@ -253,7 +286,7 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------
 def _launch_setup(x, a):
     if triton is None:
-        raise RuntimeError("the Triton backend needs `pip install triton`; use set_backend('torch')")
+        raise RuntimeError("the Triton backend needs `pip install triton`; or set_backend('torch')")
     if not x.is_cuda and not INTERPRET:
         raise RuntimeError("Triton kernels need CUDA tensors; to run them on the CPU (slowly, for "
                            "tests) set TRITON_INTERPRET=1 before `import kernels`")
@@ -281,15 +314,16 @@ def forward_triton(x, a, temperature):
     return logp, lse, entropy
 
 
-def backward_triton(x, a, temperature, lse, entropy, grad_logp, grad_entropy):
+def backward_triton(x, a, temperature, lse, entropy, grad_logp, grad_entropy, out=None):
     x, a_flat, block_v = _launch_setup(x, a)
     B, T, V = x.shape
     if grad_entropy is None:                                 # H was not returned: h = 0
         grad_entropy = torch.zeros_like(lse)
         entropy = torch.zeros_like(lse) if entropy is None else entropy
-    grad_x = torch.empty((B, T, V), dtype=x.dtype, device=x.device)
+    grad_x = torch.empty((B, T, V), dtype=x.dtype, device=x.device) if out is None else out
     _logprob_bwd_kernel[(B * T,)](x, a_flat, grad_logp.float().contiguous(),
-                                  grad_entropy.float().contiguous(), lse, entropy, grad_x,
+                                  grad_entropy.float().contiguous(), lse.contiguous(),
+                                  entropy.contiguous(), grad_x,
                                   T, x.stride(0), x.stride(1), V, 1.0 / temperature,
                                   BLOCK_V=block_v, num_warps=8)
     return grad_x
@@ -303,12 +337,13 @@ def forward(x, a, temperature, with_entropy, backend):
     return forward_torch(x, a.long(), temperature, with_entropy)
 
 
-def backward(x, a, temperature, lse, entropy, grad_logp, grad_entropy, backend):
-    """dL/dx for forward(); grad_entropy is None when the entropy was not returned."""
+def backward(x, a, temperature, lse, entropy, grad_logp, grad_entropy, backend, out=None):
+    """dL/dx for forward(); grad_entropy is None when the entropy was not returned; `out`, if
+    given, is a contiguous (B, T, V) tensor of x's dtype to write it into."""
     if backend == "triton":
-        return backward_triton(x, a, temperature, lse, entropy, grad_logp, grad_entropy)
+        return backward_triton(x, a, temperature, lse, entropy, grad_logp, grad_entropy, out)
     return backward_torch(x, a.long(), temperature, lse, entropy, grad_logp.float(),
-                          None if grad_entropy is None else grad_entropy.float())
+                          None if grad_entropy is None else grad_entropy.float(), out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -174,6 +174,25 @@ def test_bad_inputs_raise():
         kernels.gather_log_probs(torch.randn(2, 5).double(), torch.zeros(2, dtype=torch.long))
 
 
+@pytest.mark.parametrize("shape", [(3, 5), (7, 1)])
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.bfloat16, 0.7)])
+def test_fallback_blocks(monkeypatch, shape, dtype, temperature):
+    """The fallback's blocks, shrunk to 3 rows: ragged along positions (3 + 2 of 5) and along
+    sequences (3 + 3 + 1 of 7); fp32 at T = 1 reads the logits in place, bf16 at T = 0.7 goes
+    through the reused fp32 buffers."""
+    V = 301
+    monkeypatch.setattr(logprob, "BLOCK_ELEMENTS", 3 * V)
+    previous = kernels.set_backend("torch")
+    try:
+        torch.manual_seed(9)
+        logits = (3 * torch.randn(*shape, V)).to(dtype)
+        actions = torch.randint(0, V, shape)
+        rtol = 0.0 if dtype == torch.float32 else 2**-7
+        check_log_probs(via_logits, logits, actions, temperature, grad_rtol=rtol, grad_atol=1e-6)
+    finally:
+        kernels.set_backend(previous)
+
+
 @pytest.mark.skipif(not TRITON_HERE, reason="needs triton under TRITON_INTERPRET=1")
 def test_triton_matches_the_fallback():
     """The PyTorch path is the Triton kernels' reference: same inputs, same numbers, forward and
@@ -206,30 +225,32 @@ def via_hidden(weight):
 
 
 @pytest.mark.parametrize("V", [7, 4097, 49152])
-def test_hidden_matches_float64(backend, monkeypatch, V):
-    """Fused linear + log-prob, gradients into the hidden states and the weight, over several
-    row chunks (CHUNK_ELEMENTS shrunk so 10 rows make 3 or more chunks)."""
+@pytest.mark.parametrize("train_head", [False, True], ids=["frozen_head", "trained_head"])
+def test_hidden_matches_float64(backend, monkeypatch, V, train_head):
+    """Fused linear + log-prob against the float64 oracle, over several row chunks
+    (CHUNK_ELEMENTS shrunk so 10 rows make 3 or more). A frozen lm_head takes the per-row
+    Jacobian path, a trained one the recompute-in-backward path that also returns dL/dW."""
     monkeypatch.setattr(fused_linear, "CHUNK_ELEMENTS", 4 * V)
     torch.manual_seed(V)
     H = 16
     hidden = torch.randn(2, 5, H)
-    weight = (torch.randn(V, H) / math.sqrt(H) * 3).requires_grad_()
+    weight = (torch.randn(V, H) / math.sqrt(H) * 3).requires_grad_(train_head)
     actions = torch.randint(0, V, (2, 5))
     h = hidden.clone().requires_grad_()
     logp, entropy = via_hidden(weight)(h, actions, 0.7)
     g_logp, g_ent = torch.randn_like(logp), torch.randn_like(entropy)
-    grad_h, grad_w = torch.autograd.grad((logp * g_logp).sum() + (entropy * g_ent).sum(),
-                                         (h, weight))
+    leaves = (h, weight) if train_head else (h,)
+    grads = torch.autograd.grad((logp * g_logp).sum() + (entropy * g_ent).sum(), leaves)
 
     h64, w64 = hidden.double().requires_grad_(), weight.detach().double().requires_grad_()
     logp64, entropy64 = oracle_log_probs(h64 @ w64.T, actions, 0.7)
-    grad_h64, grad_w64 = torch.autograd.grad((logp64 * g_logp.double()).sum()
-                                             + (entropy64 * g_ent.double()).sum(), (h64, w64))
+    grads64 = torch.autograd.grad((logp64 * g_logp.double()).sum()
+                                  + (entropy64 * g_ent.double()).sum(), (h64, w64))
     # fp32 matmuls over H = 16 and sums over V: a few 1e-6 relative
     torch.testing.assert_close(logp.double(), logp64, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(entropy.double(), entropy64, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(grad_h.double(), grad_h64, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(grad_w.double(), grad_w64, rtol=1e-4, atol=1e-5)
+    for grad, grad64 in zip(grads, grads64):
+        torch.testing.assert_close(grad.double(), grad64, rtol=1e-4, atol=1e-5)
 
 
 def test_hidden_frozen_head_and_bf16(backend):

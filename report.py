@@ -1,0 +1,163 @@
+"""What a PPO run leaves behind: results, checkpoints, plots and the post's table.
+
+Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
+    write_json            results.json, written aside and renamed (never half-written)
+    save_checkpoint       adapter, value head, AdamW moments and the RNG, as safetensors,
+    load_checkpoint       so that `ppo.py --resume` continues a killed run exactly
+    peak_memory_gb        CUDA's allocator peak, or the process's peak resident memory
+    print_row, print_samples, report_sweep    the post's table and samples
+    plot_curves, plot_sweep                   curves.png and sweep.png
+
+Used by: ppo.py (tests: tests/test_ppo.py, resume and sweep end to end).
+"""
+
+import json
+import os
+import resource
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lora import load_adapter, save_adapter
+
+
+# ------------------------------------------------------------------ files, checkpoints
+
+def write_json(path, obj):
+    """Write JSON next to `path` and rename it into place: never half-written."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(obj, handle, indent=1)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controller_beta):
+    """Adapter, value head, optimizer moments and RNG state, as safetensors + JSON."""
+    staging = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint-"))
+    save_adapter(policy, staging / "adapter.safetensors")
+    save_file(value_head.state_dict(), str(staging / "value_head.safetensors"))
+    tensors, scalars = {}, {}
+    for i, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.ndim > 0:
+                tensors[f"{i}.{key}"] = value.contiguous()
+            else:
+                scalars[f"{i}.{key}"] = float(value)
+    tensors["rng.torch"] = torch.get_rng_state()
+    save_file(tensors, str(staging / "optimizer_rng.safetensors"))
+    write_json(staging / "state.json", {"iteration": iteration, "beta": controller_beta,
+                                        "optimizer_scalars": scalars})
+    final, old = Path(run_dir) / "checkpoint", Path(run_dir) / ".checkpoint-old"
+    if final.exists():                      # swap, so a crash never leaves no checkpoint
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    staging.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(run_dir, policy, value_head, optimizer):
+    """Restore what `save_checkpoint` wrote; returns (next iteration, beta)."""
+    folder = Path(run_dir) / "checkpoint"
+    if not (folder / "state.json").exists():
+        raise FileNotFoundError(f"--resume: no checkpoint in {folder}")
+    state = json.loads((folder / "state.json").read_text())
+    load_adapter(policy, folder / "adapter.safetensors")
+    value_head.load_state_dict(load_file(str(folder / "value_head.safetensors")))
+    tensors = load_file(str(folder / "optimizer_rng.safetensors"))
+    saved = optimizer.state_dict()
+    groups = saved["param_groups"]
+    restored = {}
+    for name, value in list(tensors.items()) + list(state["optimizer_scalars"].items()):
+        if name == "rng.torch":
+            continue
+        index, key = name.split(".", 1)
+        restored.setdefault(int(index), {})[key] = (value if torch.is_tensor(value)
+                                                    else torch.tensor(value))
+    optimizer.load_state_dict({"state": restored, "param_groups": groups})
+    torch.set_rng_state(tensors["rng.torch"])
+    return state["iteration"] + 1, state["beta"]
+
+
+def peak_memory_gb(device):
+    """Peak memory: CUDA's allocator peak, else the process's peak resident set (Linux KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+# ------------------------------------------------------------------ tables and plots
+
+def print_samples(samples, posts, title, n=3):
+    print(f"\n{title}")
+    for s, p in list(zip(samples, posts))[:n]:
+        print(f"  [{s['reward']:+.2f}, KL {s['kl']:.1f}, {s['length']} tokens] {s['text'][:140]!r}")
+        print(f"      human: {p['summary'][:120]!r}")
+
+
+def print_row_header():
+    print(f"\n{'KL':>6} {'reward':>8} {'fluency':>9} {'KL(ref)':>8} {'length':>7} "
+          f"{'distinct-2':>10}")
+
+
+def print_row(name, r):
+    print(f"{name:>6} {r['reward']:>8.2f} {r['fluency']:>9.1f} {r['kl']:>8.2f} "
+          f"{r['length']:>7.1f} {r['distinct_2']:>10.3f}")
+
+
+def report_sweep(table, baseline, out):
+    """The post's table: reward and fluency worst to best over seeds, mean value loss."""
+    print(f"\n{'KL':>6} {'reward, worst to best':>24} {'fluency':>20} {'value loss':>12}")
+    for beta in sorted({r["beta"] for r in table}):
+        runs = [r for r in table if r["beta"] == beta]
+        got = sorted(r["reward"] for r in runs)
+        flu = sorted(r["fluency"] for r in runs)
+        val = sum(r["value_loss_last20"] for r in runs) / len(runs)
+        print(f"{beta:>6g} {got[0]:>10.2f} to {got[-1]:>9.2f} "
+              f"{flu[0]:>9.1f} to {flu[-1]:>8.1f} {val:>12.3f}")
+    print(f"{'(ref)':>6} {baseline['ref']['reward']:>10.2f}{'':>13} "
+          f"{baseline['ref']['fluency']:>9.1f}")
+    print(f"{'human':>6} {baseline['human']['reward']:>10.2f}")
+    write_json(out / "sweep.json", {"runs": table, "baseline": baseline})
+    plot_sweep(table, baseline, out / "sweep.png")
+    print(f"sweep in {out}/sweep.json and {out}/sweep.png")
+
+
+def plot_curves(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = results["iterations"]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+    for ax, key in zip(axes, ("reward", "kl", "response_length", "entropy")):
+        ax.plot([r["iteration"] for r in rows], [r[key] for r in rows])
+        ax.set_title(key)
+        ax.set_xlabel("iteration")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_sweep(table, baseline, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    betas = sorted({r["beta"] for r in table})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, key in zip(axes, ("reward", "fluency")):
+        for i, beta in enumerate(betas):
+            ys = [r[key] for r in table if r["beta"] == beta]
+            ax.scatter([i] * len(ys), ys, color="C0")
+        ax.axhline(baseline["ref"][key], color="gray", ls="--", label="reference")
+        if key == "reward":
+            ax.axhline(baseline["human"]["reward"], color="C2", ls=":", label="human")
+        ax.set_xticks(range(len(betas)), [f"{b:g}" for b in betas])
+        ax.set_xlabel("beta (KL coefficient)")
+        ax.set_title(f"held-out {key}, one point per seed")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
