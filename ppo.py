@@ -53,17 +53,22 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from torch import nn
-from tqdm import tqdm
+# OpenMP threads that spin while waiting lose ~10x on a shared 2-core machine (see
+# reward_model.py); sleeping ones cost nothing measurable on an idle one. Before torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import kernels
-import loaders
-import reward_model as rm
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import kernels  # noqa: E402
+import loaders  # noqa: E402
+import reward_model as rm  # noqa: E402
 from report import (load_checkpoint, peak_memory_gb, plot_curves, print_row, print_row_header,
                     print_samples, report_sweep, save_checkpoint, write_json)
 from gae import (AdaptiveKLController, advantages_and_returns, kl_per_token,

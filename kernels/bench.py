@@ -1,6 +1,6 @@
 """Benchmark: time and peak extra memory of the log-prob gather, forward plus backward.
 
-    python kernels/bench.py                          (all four sizes, 3 rounds; ~10 min on 2 cores)
+    python kernels/bench.py                          (all four sizes, 3 rounds; ~7 min on 2 cores)
     python kernels/bench.py --sizes 768x49152 --rounds 1                          (a quick look)
 
 Each row of the table is one path at one size, forward and backward with a random upstream
@@ -13,7 +13,8 @@ gradient dL/dlogp (what PPO's loss sends back):
     naive-linear  the post's path from the last hidden state: logits = hidden @ W^T, then the
                   expression above; input: hidden (rows, 576) and a frozen W (V, 576), SmolLM2's
                   width; the gradient goes to hidden
-    fused-linear  kernels.gather_log_probs_from_hidden; same input as naive-linear
+    fused-linear  kernels.gather_log_probs_from_hidden; same input as naive-linear (W frozen, as
+                  ppo.py's lm_head is: route 1 of kernels/fused_linear.py)
 
 fallback and triton are compared with naive, fused-linear with naive-linear, in the same run.
 

@@ -1,4 +1,7 @@
 """Shared fixtures: the real tokenizer, a tiny random model, and (for slow tests) SmolLM2."""
+import os
+os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton reads it at import: set before any test imports it
+
 
 import pytest
 import torch

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")        # no 3 s wait for an unreachable hub
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as reward_model.py: a shared CPU
 
 import pytest
 import torch
@@ -156,6 +157,7 @@ def test_score_ids_reads_the_response_eos_after_a_left_padded_prompt():
     assert encoded[0][1] == tokenizer(" ok").input_ids + [2]     # " " + summary, then EOS
 
 
+@pytest.mark.slow
 def test_padding_on_the_real_model():
     try:
         model, _ = rm.build_reward_model({**tiny_settings(), "tiny": False, "lora_layers": 2})
