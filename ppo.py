@@ -123,8 +123,11 @@ PRESETS = {
     "blog": dict(iterations=100, batch=16, prompt_tokens=256, micro_batch=16, eval_prompts=64),
     # Same algorithm on a 2-core CPU in <= 20 minutes: shorter prompts, fewer iterations,
     # micro-batches of 4 to keep memory down.
+    # At the post's LR of 1e-4, 36 iterations left the policy where it started (held-out KL
+    # to the reference -0.04 nats, clipfrac 0): a 5x larger step makes up for running about
+    # a third of the post's 100 iterations on half its batch.
     "cpu": dict(iterations=36, batch=8, prompt_tokens=128, micro_batch=4, eval_prompts=32,
-                checkpoint_every=6),                    # measured: ~21 s an iteration
+                lr=5e-4, value_lr=5e-4, checkpoint_every=6),   # measured: ~21 s an iteration
     # Seconds, for tests: the tiny random model (loaders.tiny_model) and a tiny reward model.
     "tiny": dict(iterations=3, batch=4, prompt_tokens=64, max_new_tokens=8, micro_batch=2,
                  eval_prompts=4, checkpoint_every=2),
