@@ -269,7 +269,9 @@ def score(reward, prompt_ids, prompt_mask, actions, mask, missing_eos_penalty=No
 
 @torch.no_grad()
 def fluency(reference, sequences, attention_mask, actions, mask, temperature=1.0):
-    """The reference model's total log-probability of each summary, (B,), real tokens only."""
+    """The reference model's total log-probability of each summary, (B,), real tokens only.
+
+    (Given another model, its own total log-probability: `rollouts` uses that for the KL.)"""
     logp_ref = token_log_probs(reference, sequences, attention_mask, actions, temperature)
     return torch.where(mask.bool(), logp_ref, 0.0).sum(-1)
 
@@ -527,17 +529,16 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
         sequences, actions = generate(model, prompt_ids, prompt_mask, cfg, eos)
         mask = response_mask(actions, eos)
         attention = full_mask(prompt_mask, actions)
-        scores = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos)
-        logp_ref = token_log_probs(reference, sequences, attention, actions, cfg.temperature)
-        logp = (logp_ref if model is reference else         # the reference's own KL is 0
-                token_log_probs(model, sequences, attention, actions, cfg.temperature))
+        scores = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos)   # (b,)
+        flu = fluency(reference, sequences, attention, actions, mask, cfg.temperature)  # (b,)
+        # KL of a whole summary: sum_t logp - logp_ref = (its log-prob under `model`) - fluency
+        own = flu if model is reference else fluency(model, sequences, attention, actions, mask,
+                                                     cfg.temperature)                 # (b,)
         m = mask.bool()
         for b in range(len(chunk)):
             ids = actions[b][m[b]].tolist()
-            out.append({"reward": scores[b].item(),
-                        "fluency": logp_ref[b][m[b]].sum().item(),
-                        "kl": (logp - logp_ref)[b][m[b]].sum().item(),
-                        "length": len(ids), "ids": ids,
+            out.append({"reward": scores[b].item(), "fluency": flu[b].item(),
+                        "kl": (own[b] - flu[b]).item(), "length": len(ids), "ids": ids,
                         "text": tokenizer.decode(ids, skip_special_tokens=True)})
     return out
 
