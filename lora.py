@@ -55,9 +55,14 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.up(self.down(x)) * self.scale
 
 
-def with_lora(model, rank=LORA_R, alpha=LORA_ALPHA):
-    """Wrap q_proj and v_proj of every attention layer, in place; leave the rest alone."""
-    for layer in model.model.layers:
+def with_lora(model, rank=LORA_R, alpha=LORA_ALPHA, top_layers=None):
+    """Wrap q_proj and v_proj of every attention layer, in place; leave the rest alone.
+
+    `top_layers=k` wraps only the top k layers (reward_model.py's cpu preset); None or 0
+    wraps them all, as the post does.
+    """
+    layers = model.model.layers
+    for layer in layers[len(layers) - (top_layers or len(layers)):]:
         attention = layer.self_attn
         for name in TARGETS:
             setattr(attention, name, LoRALinear(getattr(attention, name), rank, alpha))

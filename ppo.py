@@ -348,6 +348,7 @@ def ptx_loss(policy, tokenizer, posts, device, temperature=1.0):
     sequences = torch.cat([prompt_ids, actions], 1)             # (B, P+T)
     logp = token_log_probs(policy, sequences, full_mask(prompt_mask, actions), actions,
                            temperature)                         # (B, T)
+    # (13) L_ptx = -E_(x,y) sum_t log pi_theta(y_t | x, y_{1:t-1}): summary tokens only
     return -torch.where(mask.bool(), logp, 0.0).sum(-1).mean()
 
 

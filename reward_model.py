@@ -252,15 +252,11 @@ def build_reward_model(settings, device="cpu"):
     lm, tokenizer = loaders.load_policy_and_tokenizer(
         settings["base_model"], preset="tiny" if settings["tiny"] else None,
         device=device, seed=settings["seed"])
-    layers = lm.model.layers
     with torch.random.fork_rng():
         torch.manual_seed(settings["seed"])
         # Departure 1: the adapter of `lora.with_lora` on the top `lora_layers` layers only
         # (0 = all). Below them nothing needs a gradient, so backpropagation stops there.
-        for layer in layers[len(layers) - (settings["lora_layers"] or len(layers)):]:
-            for name in lora.TARGETS:
-                setattr(layer.self_attn, name, lora.LoRALinear(
-                    getattr(layer.self_attn, name), settings["lora_r"], settings["lora_alpha"]))
+        lora.with_lora(lm, settings["lora_r"], settings["lora_alpha"], settings["lora_layers"])
         model = RewardModel(lm.model, settings)
     # Dropout is off: the body stays in eval mode even while it trains (Llama's only
     # dropout, on attention, is 0 anyway), so a summary scores the same here and in PPO.
