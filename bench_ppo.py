@@ -15,7 +15,12 @@ attention mask and position ids added, so both compute the same numbers) and doe
 entropy pass, as the post does not. Time is the median over iterations after the
 first, per phase; ratios are taken within this one run (the machine is shared).
 
-Run:  python bench_ppo.py                  (about 10 minutes on a 2-core CPU)
+Two more variants run ours and the post's with --precision bf16 (the bodies under
+bfloat16 autocast, log-probs and losses in fp32; the blog preset's default where bf16
+matmuls are native), so that the precision's share of the gain shows; --skip-bf16 leaves
+them out. The ratios in the table are all against the fp32 post.
+
+Run:  python bench_ppo.py                  (about 12 minutes on a 2-core CPU)
       python bench_ppo.py --iterations 3 --micro-batch 4
 """
 
@@ -43,7 +48,8 @@ def post_policy_forward(policy, value_head, sequences, attention_mask, actions, 
     logits = out.logits[:, P - 1:-1] / temperature                      # (B, T, V)
     chosen = torch.log_softmax(logits, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     hidden = out.hidden_states[-1][:, P - 1:-1]                         # (B, T, H)
-    return chosen, value_head(hidden), torch.zeros_like(chosen)
+    # .float(): under --precision bf16 autocast leaves these in bf16; train stores fp32
+    return chosen.float(), value_head(hidden).float(), torch.zeros_like(chosen).float()
 
 
 def post_token_log_probs(model, sequences, attention_mask, actions, temperature=1.0):
@@ -52,10 +58,10 @@ def post_token_log_probs(model, sequences, attention_mask, actions, temperature=
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(sequences, attention_mask=attention_mask,
                    position_ids=positions).logits[:, P - 1:-1] / temperature
-    return torch.log_softmax(logits, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(logits, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1).float()
 
 
-def worker(variant, iterations, micro_batch, reward_model):
+def worker(variant, iterations, micro_batch, reward_model, precision):
     """Run `iterations` of ppo.train at the blog preset; print one JSON line of results."""
     import loaders
     import ppo
@@ -64,6 +70,7 @@ def worker(variant, iterations, micro_batch, reward_model):
         ppo.policy_forward, ppo.token_log_probs = post_policy_forward, post_token_log_probs
     cfg = ppo.parse_args(["--preset", "blog", "--iterations", str(iterations),
                           "--micro-batch", str(micro_batch), "--reward-model", reward_model,
+                          "--precision", precision,
                           "--checkpoint-every", "1000", "--eval-prompts", "16"])
     device = loaders.pick_device()
     reference, tokenizer = loaders.load_policy_and_tokenizer(cfg.model, device=device)
@@ -84,36 +91,51 @@ def main():
                         help="ours: sequences per forward/backward in the inner step")
     parser.add_argument("--reward-model", default="runs/reward_model",
                         help="folder written by reward_model.py")
+    parser.add_argument("--skip-bf16", action="store_true",
+                        help="time only the fp32 variants")
     parser.add_argument("--worker", choices=["post", "ours"], help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.iterations, args.micro_batch, args.reward_model)
+        return worker(args.worker, args.iterations, args.micro_batch, args.reward_model,
+                      args.precision)
 
     results = {}
-    for variant, micro in (("post", 16), ("ours", args.micro_batch)):
+    variants = [("post", "post", 16, "fp32"), ("ours", "ours", args.micro_batch, "fp32")]
+    if not args.skip_bf16:
+        variants += [("ours-bf16", "ours", args.micro_batch, "bf16"),
+                     ("post-bf16", "post", 16, "bf16")]
+    for name, variant, micro, precision in variants:
         started = time.time()
         out = subprocess.run([sys.executable, __file__, "--worker", variant, "--iterations",
                               str(args.iterations), "--micro-batch", str(micro),
-                              "--reward-model", args.reward_model],
+                              "--reward-model", args.reward_model, "--precision", precision],
                              capture_output=True, text=True)
         line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
         if out.returncode or not line:
-            sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
-        results[variant] = json.loads(line[0][len("RESULT "):])
-        print(f"{variant}: done in {time.time() - started:.0f} s")
+            sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+        results[name] = json.loads(line[0][len("RESULT "):])
+        print(f"{name}: done in {time.time() - started:.0f} s")
 
     def median(variant, key):
         rows = results[variant]["rows"][1:] or results[variant]["rows"]
         return statistics.median(r[key] for r in rows)
 
-    print(f"\nblog preset, {args.iterations} iterations each (first dropped), "
-          f"ours with micro-batch {args.micro_batch}; seconds are medians")
-    print(f"{'':>18} {'post':>9} {'ours':>9} {'ours/post':>10}")
+    names = list(results)
+    print(f"\nblog preset, {args.iterations} iterations each (first dropped), ours with "
+          f"micro-batch {args.micro_batch}; seconds are medians; ratios against post")
+    print(f"{'':>18}" + "".join(f"{n:>11}" for n in names)
+          + "".join(f"{n + '/post':>16}" for n in names[1:]))
     for key in [f"seconds_{p}" for p in PHASES] + ["seconds"]:
-        a, b = median("post", key), median("ours", key)
-        print(f"{key:>18} {a:>9.1f} {b:>9.1f} {b / a:>9.2f}x")
-    a, b = results["post"]["peak_gb"], results["ours"]["peak_gb"]
-    print(f"{'peak memory (GB)':>18} {a:>9.2f} {b:>9.2f} {b / a:>9.2f}x")
+        values = [median(n, key) for n in names]
+        print(f"{key:>18}" + "".join(f"{v:>11.1f}" for v in values)
+              + "".join(f"{v / values[0]:>15.2f}x" for v in values[1:]))
+    values = [results[n]["peak_gb"] for n in names]
+    print(f"{'peak memory (GB)':>18}" + "".join(f"{v:>11.2f}" for v in values)
+          + "".join(f"{v / values[0]:>15.2f}x" for v in values[1:]))
+    if "post-bf16" in results:                      # how much of it is the precision alone
+        a, b = median("post-bf16", "seconds"), median("ours-bf16", "seconds")
+        print(f"ours-bf16 / post-bf16: {b / a:.2f}x per iteration ({b:.1f} s / {a:.1f} s)")
     Path("runs").mkdir(exist_ok=True)
     Path("runs/bench_ppo.json").write_text(json.dumps(results, indent=1))
     print("per-iteration rows in runs/bench_ppo.json")

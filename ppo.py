@@ -35,8 +35,12 @@ Departures from the post, each repeated at its line:
        starts from the post's default init (not from the reward model).
     6. Optional extras, all off by default as in the post's run: an adaptive beta
        (Ziegler et al.), the k3 KL estimator, a missing-EOS penalty, the entropy
-       bonus (12) and the ptx loss (13). The inner step can be split into
-       micro-batches (same gradient, less memory).
+       bonus (12) and the ptx loss (13).
+    7. Speed and memory, same algorithm: the old, reference and inner-step passes run
+       in micro-batches of similar prompt lengths, each cut to its own padding (same
+       gradient, less memory, less work). `--precision bf16` runs the transformer
+       bodies under bfloat16 autocast (the post: fp32); log-probs, values and losses
+       stay fp32, and the ratio is still exactly 1 at the first inner step.
 
 Papers: PPO, Schulman et al. 2017, arXiv:1707.06347 (sec. 3, 5); GAE, Schulman et
 al. 2015, arXiv:1506.02438; Ziegler et al. 2019, arXiv:1909.08593 (sec. 2.2, the
@@ -107,7 +111,11 @@ class Config:
                                   "Ziegler et al.'s controller; --beta is the start")
     kl_estimator: str = _opt("k1", "per-token KL estimate for the penalty: k1 (the post) or k3")
     missing_eos_penalty: float = _opt(None, "if set, the score of a response with no EOS")
-    micro_batch: int = _opt(16, "sequences per forward/backward in the inner step")
+    micro_batch: int = _opt(16, "sequences per forward (and backward) in the old, reference "
+                                "and inner-step passes; same gradient, less memory")
+    precision: str = _opt("fp32", "fp32 (the post), bf16 (the transformer bodies under "
+                                  "bfloat16 autocast; log-probs, values and losses stay fp32), "
+                                  "or auto: bf16 where this hardware has bf16 matmuls")
     eval_prompts: int = _opt(64, "held-out prompts for the final evaluation")
     checkpoint_every: int = _opt(10, "save a resumable checkpoint every N iterations")
     reward_model: str = _opt("runs/reward_model", "folder written by reward_model.py")
@@ -121,7 +129,10 @@ class Config:
 PRESETS = {
     # The post's hyperparameters, for a GPU or Apple silicon. Micro-batches of 4 give the same
     # gradient as the full batch with a third of the post's peak memory (bench_ppo.py).
-    "blog": dict(iterations=100, batch=16, prompt_tokens=256, micro_batch=4, eval_prompts=64),
+    # bf16 bodies where the hardware has native bf16 matmuls (0.37x the post's fp32 time on
+    # this 2-core CPU, against 0.75x in fp32: bench_ppo.py); fp32 elsewhere.
+    "blog": dict(iterations=100, batch=16, prompt_tokens=256, micro_batch=4, eval_prompts=64,
+                 precision="auto"),
     # Same algorithm on a 2-core CPU in <= 20 minutes: shorter prompts, fewer iterations,
     # micro-batches of 4 to keep memory down.
     # At the post's LR of 1e-4, 36 iterations left the policy where it started (held-out KL
@@ -159,6 +170,10 @@ def parse_args(argv=None):
     cfg = Config(**values)
     if cfg.kl_estimator not in ("k1", "k3"):
         parser.error("--kl-estimator must be k1 or k3")
+    if cfg.precision == "auto":
+        cfg.precision = "bf16" if native_bf16(loaders.pick_device()) else "fp32"
+    if cfg.precision not in ("fp32", "bf16"):
+        parser.error("--precision must be fp32, bf16 or auto")
     if cfg.batch % cfg.micro_batch:
         cfg.micro_batch = math.gcd(cfg.batch, cfg.micro_batch)
     return cfg
@@ -203,6 +218,49 @@ def batch_for(pool, iteration, batch, seed):
     """
     perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed)).tolist()
     return [pool[perm[(iteration * batch + j) % len(pool)]] for j in range(batch)]
+
+
+def micro_batches(prompt_mask, size):
+    """The batch as groups of `size` rows with similar prompt lengths: (rows, first) pairs,
+    rows a (b,) index tensor and first the group's first column that is not all padding.
+
+    Prompts are left-padded to the longest of the batch: at the blog preset a row holds 207
+    real prompt tokens on average in 250 or so columns. A group of similar lengths drops
+    the columns that are padding in all its rows, and that work is never done. Position ids
+    come from the mask, so the log-probs are those of the whole padded batch. The old pass
+    and every inner step use the same groups, hence the same shapes: the ratio stays exact.
+    """
+    padding = (prompt_mask == 0).sum(1)                         # (B,) left padding per row
+    order = torch.argsort(padding, stable=True)                 # least padding first
+    return [(rows, int(padding[rows].min())) for rows in order.split(size)]
+
+
+def native_bf16(device):
+    """Whether bf16 matmuls are native on `device`: a CUDA GPU that has them, or a CPU with
+    AVX512-BF16 or AMX (from Linux's /proc/cpuinfo). Elsewhere they are emulated, and slower."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def precision(cfg, device):
+    """The context for every transformer-body pass: bf16 autocast with --precision bf16,
+    else nothing (fp32, as the post). The log-prob gather and the value head opt out of it
+    (`fp32_head`), so log-probs, values and losses are fp32 either way."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
+                          enabled=cfg.precision == "bf16")
+
+
+def fp32_head(hidden):
+    """Leave autocast for the heads: (..., H) hidden as fp32, and a context with autocast off."""
+    return hidden.float(), torch.autocast(hidden.device.type, enabled=False)
 
 
 # ------------------------------------------------------------- generating and scoring
@@ -250,18 +308,25 @@ def token_log_probs(model, sequences, attention_mask, actions, temperature=1.0):
     reference and a fresh policy agree to the last bit.
     """
     hidden = response_hidden(model, sequences, attention_mask, actions.shape[1])  # (B, T, H)
-    return kernels.gather_log_probs_from_hidden(hidden, model.lm_head.weight, actions,
-                                                temperature)    # (B, T)
+    hidden, fp32 = fp32_head(hidden)
+    with fp32:
+        return kernels.gather_log_probs_from_hidden(hidden, model.lm_head.weight, actions,
+                                                    temperature)    # (B, T)
 
 
 @torch.no_grad()
-def score(reward, prompt_ids, prompt_mask, actions, mask, missing_eos_penalty=None, eos_id=2):
+def score(reward, prompt_ids, prompt_mask, actions, mask, missing_eos_penalty=None, eos_id=2,
+          groups=None):
     """The reward model's score for each post and sampled summary, (B,).
 
     Departure 2: the reward model reads the sampled ids (its tokenizer is the
     policy's), at the last real token (departure 1). No decode, no re-encode.
+    `groups` (from `micro_batches`) scores a few rows at a time without their padding.
     """
-    scores = rm.score_ids(reward, prompt_ids, prompt_mask, actions, mask).float()   # (B,)
+    scores = torch.empty(len(actions), device=actions.device)  # (B,)
+    for rows, first in groups or micro_batches(prompt_mask, len(actions)):
+        scores[rows] = rm.score_ids(reward, prompt_ids[rows, first:], prompt_mask[rows, first:],
+                                    actions[rows], mask[rows]).float()
     if missing_eos_penalty is not None:                         # Ziegler et al.'s "EOS trick"
         ended = ((actions == eos_id) & mask.bool()).any(1)      # (B,)
         scores = torch.where(ended, scores, torch.full_like(scores, missing_eos_penalty))
@@ -299,10 +364,12 @@ def policy_forward(policy, value_head, sequences, attention_mask, actions, tempe
          with_entropy the entropy of pi(. | s_t) (B, T) from the same pass
     """
     hidden = response_hidden(policy, sequences, attention_mask, actions.shape[1])  # (B, T, H)
-    out = kernels.gather_log_probs_from_hidden(hidden, policy.lm_head.weight, actions,
-                                               temperature, return_entropy=with_entropy)
-    logp, entropy = out if with_entropy else (out, None)        # (B, T) each
-    return logp, value_head(hidden.float()), entropy            # values (B, T)
+    hidden, fp32 = fp32_head(hidden)
+    with fp32:
+        out = kernels.gather_log_probs_from_hidden(hidden, policy.lm_head.weight, actions,
+                                                   temperature, return_entropy=with_entropy)
+        logp, entropy = out if with_entropy else (out, None)    # (B, T) each
+        return logp, value_head(hidden), entropy                # values (B, T)
 
 
 # ---------------------------------------------------------------------------- losses
@@ -412,24 +479,32 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         # ---- 1. generate: sample a summary for each post with the current policy
         posts = batch_for(pool, iteration, cfg.batch, seed)
         prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in posts], device)
-        sequences, actions = generate(policy, prompt_ids, prompt_mask, cfg, eos)  # (B,P+T),(B,T)
+        with precision(cfg, device):
+            sequences, actions = generate(policy, prompt_ids, prompt_mask, cfg, eos)
+        #                                               (B, P+T), (B, T)
         mask = response_mask(actions, eos)              # (B, T) 1 up to and incl. first EOS
         attention = full_mask(prompt_mask, actions)     # (B, P+T)
+        groups = micro_batches(prompt_mask, cfg.micro_batch)    # [(rows, first column)]
         timer["generate"] = time.perf_counter() - t0
 
         # ---- 2. score the finished summaries (ids, not text)
         t = time.perf_counter()
-        scores = score(reward, prompt_ids, prompt_mask, actions, mask,
-                       cfg.missing_eos_penalty, eos)                        # (B,)
+        with precision(cfg, device):
+            scores = score(reward, prompt_ids, prompt_mask, actions, mask,
+                           cfg.missing_eos_penalty, eos, groups)            # (B,)
         timer["score"] = time.perf_counter() - t
 
         # ---- 3. old log-probs and values (training path), reference log-probs
         t = time.perf_counter()
         with torch.no_grad():
-            logp_old, values, _ = policy_forward(policy, value_head, sequences, attention,
-                                                 actions, cfg.temperature)  # (B, T) each
-            logp_ref = token_log_probs(reference, sequences, attention, actions,
-                                       cfg.temperature)                     # (B, T)
+            logp_old, values, logp_ref = (torch.zeros(actions.shape, device=device)
+                                          for _ in range(3))                # (B, T) each
+            for rows, first in groups:                  # the inner step's groups and shapes
+                seq, att, act = sequences[rows, first:], attention[rows, first:], actions[rows]
+                with precision(cfg, device):
+                    logp_old[rows], values[rows], _ = policy_forward(policy, value_head, seq,
+                                                                     att, act, cfg.temperature)
+                    logp_ref[rows] = token_log_probs(reference, seq, att, act, cfg.temperature)
             # ---- 4. shaped reward (3)-(4), then GAE (5)-(6) and returns (7)
             kl = kl_per_token(logp_old, logp_ref, cfg.kl_estimator)         # (B, T)
             current_beta = controller.beta if controller else beta
@@ -446,11 +521,11 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
             optimizer.zero_grad(set_to_none=True)
             log, ratios = dict.fromkeys(("policy_loss", "value_loss", "entropy", "clipfrac",
                                          "approx_kl", "ptx_loss"), 0.0), []   # ratios: (min, max)s
-            for i in range(0, cfg.batch, cfg.micro_batch):   # same gradient as one batch
-                rows = slice(i, i + cfg.micro_batch)
-                logp, v, entropy = policy_forward(policy, value_head, sequences[rows],
-                                                  attention[rows], actions[rows],
-                                                  cfg.temperature, with_entropy=True)
+            for rows, first in groups:                  # same gradient as one batch
+                with precision(cfg, device):
+                    logp, v, entropy = policy_forward(policy, value_head, sequences[rows, first:],
+                                                      attention[rows, first:], actions[rows],
+                                                      cfg.temperature, with_entropy=True)
                 if step == 0:                           # the post's probe, before any gradient
                     # (8) r_t = exp(logp - logp_old) on real tokens: exactly 1 before a step
                     ratios += check_ratio((logp - logp_old[rows]).exp().detach()[mask[rows].bool()])
@@ -459,9 +534,11 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
                 # (14) L_total = L_policy + c_v L_value + c_ent L_ent + c_ptx L_ptx
                 loss = pl + cfg.vf_coef * vl + cfg.ent_coef * el
                 if cfg.ptx_coef:                        # (13) on these posts' human TL;DRs
-                    lm = ptx_loss(policy, tokenizer, posts[rows], device, cfg.temperature)
-                    loss = loss + cfg.ptx_coef * lm * (len(posts[rows]) / cfg.batch)
-                    log["ptx_loss"] += lm.item() * len(posts[rows]) / cfg.batch
+                    with precision(cfg, device):
+                        lm = ptx_loss(policy, tokenizer, [posts[r] for r in rows.tolist()],
+                                      device, cfg.temperature)
+                    loss = loss + cfg.ptx_coef * lm * (len(rows) / cfg.batch)
+                    log["ptx_loss"] += lm.item() * len(rows) / cfg.batch
                 loss.backward()
                 share = mask[rows].sum().item() / n_tok.item()      # this part's real tokens
                 log["policy_loss"] += pl.item()
@@ -528,14 +605,15 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
     for i in range(0, len(posts), cfg.batch):
         chunk = posts[i:i + cfg.batch]
         prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in chunk], device)
-        sequences, actions = generate(model, prompt_ids, prompt_mask, cfg, eos)
-        mask = response_mask(actions, eos)
-        attention = full_mask(prompt_mask, actions)
-        scores = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos)   # (b,)
-        flu = fluency(reference, sequences, attention, actions, mask, cfg.temperature)  # (b,)
-        # KL of a whole summary: sum_t logp - logp_ref = (its log-prob under `model`) - fluency
-        own = flu if model is reference else fluency(model, sequences, attention, actions, mask,
-                                                     cfg.temperature)                 # (b,)
+        with precision(cfg, device):
+            sequences, actions = generate(model, prompt_ids, prompt_mask, cfg, eos)
+            mask = response_mask(actions, eos)
+            attention = full_mask(prompt_mask, actions)
+            scores = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos)   # (b,)
+            flu = fluency(reference, sequences, attention, actions, mask, cfg.temperature)  # (b,)
+            # KL of a summary: sum_t logp - logp_ref = (its log-prob under `model`) - fluency
+            own = flu if model is reference else fluency(model, sequences, attention, actions,
+                                                         mask, cfg.temperature)       # (b,)
         m = mask.bool()
         for b in range(len(chunk)):
             ids = actions[b][m[b]].tolist()
@@ -570,7 +648,7 @@ def main(argv=None):
     print(f"preset {cfg.preset} on {device}: " + ", ".join(
         f"{k}={getattr(cfg, k)}" for k in ("iterations", "batch", "prompt_tokens",
                                            "max_new_tokens", "inner_steps", "lr", "value_lr",
-                                           "clip", "gamma", "lam", "micro_batch",
+                                           "clip", "gamma", "lam", "micro_batch", "precision",
                                            "eval_prompts", "kl_estimator", "target_kl")))
     reward_path = Path(cfg.reward_model)
     if not (reward_path / "config.json").exists():
@@ -588,8 +666,9 @@ def main(argv=None):
     # The floor and the ceiling, on the held-out posts: the untrained model and people.
     torch.manual_seed(10_000)
     ref_samples = rollouts(reference, reference, reward, tokenizer, held_out, cfg, device)
-    human = rm.score_texts(reward, tokenizer, [p["prompt"] for p in held_out],
-                           [p["summary"] for p in held_out]).float()
+    with precision(cfg, device):
+        human = rm.score_texts(reward, tokenizer, [p["prompt"] for p in held_out],
+                               [p["summary"] for p in held_out]).float()
     baseline = {"ref": summarize(ref_samples), "human": {"reward": human.mean().item()}}
     print(f"reference: reward {baseline['ref']['reward']:.2f}, fluency "
           f"{baseline['ref']['fluency']:.1f}; human TL;DRs: reward {baseline['human']['reward']:.2f}")

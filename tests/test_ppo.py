@@ -1,6 +1,8 @@
 """What the post claims about the PPO loop (ppo.py), tested.
 
-- The ratio is exactly 1 at the first inner step (real SmolLM2 + a fresh adapter).
+- The ratio is exactly 1 at the first inner step (real SmolLM2 + a fresh adapter), in
+  fp32 and under --precision bf16.
+- Micro-batches cut to their own padding give the log-probs of the whole padded batch.
 - The post's two failure modes (decode-then-encode, summed ratios) trip the check.
 - Tokens after EOS change nothing: not the loss, not the KL, not the advantages.
 - The clip's asymmetry (the concept lesson's rho = 1.5 example).
@@ -47,6 +49,52 @@ def test_ratio_is_one_with_a_fresh_adapter_on_the_tiny_model(tiny, tokenizer):
     assert ppo.check_ratio((logp - logp_ref).exp()) == (1.0, 1.0)
 
 
+def test_ratio_is_one_under_bf16_autocast_and_log_probs_stay_fp32(tiny, tokenizer):
+    prompt_ids, prompt_mask, actions = fake_batch(tokenizer)
+    sequences = torch.cat([prompt_ids, actions], 1)
+    attention = ppo.full_mask(prompt_mask, actions)
+    policy = with_lora(copy.deepcopy(tiny))
+    head = ppo.ValueHead(tiny.config.hidden_size)
+    cfg = ppo.parse_args(["--preset", "tiny", "--precision", "bf16"])
+    with torch.no_grad():
+        fp32 = ppo.token_log_probs(tiny, sequences, attention, actions)
+        with ppo.precision(cfg, "cpu"):
+            logp_ref = ppo.token_log_probs(tiny, sequences, attention, actions)
+            logp, values, _ = ppo.policy_forward(policy, head, sequences, attention, actions)
+    assert logp.dtype == values.dtype == torch.float32
+    assert torch.equal(logp, logp_ref)                       # the check holds in bf16 too
+    assert not torch.equal(logp_ref, fp32)                   # ... and bf16 did take effect
+    assert torch.allclose(logp_ref, fp32, atol=0.05)
+
+
+def test_micro_batches_cover_each_row_once_and_cut_only_padding():
+    prompt_mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1], [0, 1, 1, 1],
+                                [0, 0, 1, 1]])
+    groups = ppo.micro_batches(prompt_mask, 2)
+    rows = torch.cat([r for r, _ in groups])
+    assert sorted(rows.tolist()) == [0, 1, 2, 3, 4]
+    assert [len(r) for r, _ in groups] == [2, 2, 1]
+    for r, first in groups:
+        assert prompt_mask[r, :first].sum() == 0                 # only padding is cut
+        assert prompt_mask[r, first].any()                       # and all of it
+    assert [first for _, first in groups] == [0, 2, 3]           # least padding first
+
+
+def test_cut_micro_batches_give_the_padded_batch_log_probs(tiny, tokenizer):
+    prompt_ids, prompt_mask, actions = fake_batch(tokenizer)
+    sequences = torch.cat([prompt_ids, actions], 1)
+    attention = ppo.full_mask(prompt_mask, actions)
+    groups = ppo.micro_batches(prompt_mask, 1)
+    assert max(first for _, first in groups) > 0                 # something is cut
+    with torch.no_grad():
+        whole = ppo.token_log_probs(tiny, sequences, attention, actions)            # (B, T)
+        parts = torch.zeros_like(whole)
+        for rows, first in groups:
+            parts[rows] = ppo.token_log_probs(tiny, sequences[rows, first:],
+                                              attention[rows, first:], actions[rows])
+    assert torch.allclose(parts, whole, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def real_samples(smollm2, tokenizer):
     """64 real SmolLM2 summaries of held-out TL;DR posts, sampled as ppo.py samples them."""
@@ -64,16 +112,20 @@ def real_samples(smollm2, tokenizer):
 
 
 @pytest.mark.slow
-def test_ratio_is_exactly_one_on_real_smollm2(smollm2, real_samples):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_ratio_is_exactly_one_on_real_smollm2(smollm2, real_samples, precision):
     """The post's probe: reference (generation side) vs a fresh policy (training path)."""
     policy = with_lora(copy.deepcopy(smollm2))
     head = ppo.ValueHead(smollm2.config.hidden_size)
     _, _, prompt_mask, sequences, actions = real_samples[0]
     attention = ppo.full_mask(prompt_mask, actions)
     mask = response_mask(actions, EOS).bool()
-    with torch.no_grad():
-        logp_old = ppo.token_log_probs(smollm2, sequences, attention, actions)
-        logp, _, _ = ppo.policy_forward(policy, head, sequences, attention, actions)
+    cfg = ppo.parse_args(["--preset", "tiny", "--precision", precision])
+    with ppo.precision(cfg, "cpu"):
+        with torch.no_grad():                                # the old pass
+            logp_old = ppo.token_log_probs(smollm2, sequences, attention, actions)
+        logp, _, _ = ppo.policy_forward(policy, head, sequences, attention, actions)  # with grad
+    assert logp.requires_grad
     ratio = (logp - logp_old).exp()[mask]
     assert ratio.numel() > 100
     assert ratio.min().item() == 1.0 and ratio.max().item() == 1.0     # exactly, in fp32
