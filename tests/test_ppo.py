@@ -36,12 +36,16 @@ def fake_batch(tokenizer, n=3, T=6, seed=0):
     return prompt_ids, prompt_mask, actions
 
 
-def test_ratio_is_one_with_a_fresh_adapter_on_the_tiny_model(tiny, tokenizer):
+def fake_sequences(tokenizer):
+    """fake_batch as the passes take it: prompt mask, sequences, attention mask, actions."""
     prompt_ids, prompt_mask, actions = fake_batch(tokenizer)
-    sequences = torch.cat([prompt_ids, actions], 1)
-    attention = ppo.full_mask(prompt_mask, actions)
-    policy = with_lora(copy.deepcopy(tiny))
-    head = ppo.ValueHead(tiny.config.hidden_size)
+    sequences = torch.cat([prompt_ids, actions], 1)                         # (B, P+T)
+    return prompt_mask, sequences, ppo.full_mask(prompt_mask, actions), actions
+
+
+def test_ratio_is_one_with_a_fresh_adapter_on_the_tiny_model(tiny, tokenizer):
+    _, sequences, attention, actions = fake_sequences(tokenizer)
+    policy, head = with_lora(copy.deepcopy(tiny)), ppo.ValueHead(tiny.config.hidden_size)
     with torch.no_grad():
         logp_ref = ppo.token_log_probs(tiny, sequences, attention, actions)
         logp, _, _ = ppo.policy_forward(policy, head, sequences, attention, actions)
@@ -50,11 +54,8 @@ def test_ratio_is_one_with_a_fresh_adapter_on_the_tiny_model(tiny, tokenizer):
 
 
 def test_ratio_is_one_under_bf16_autocast_and_log_probs_stay_fp32(tiny, tokenizer):
-    prompt_ids, prompt_mask, actions = fake_batch(tokenizer)
-    sequences = torch.cat([prompt_ids, actions], 1)
-    attention = ppo.full_mask(prompt_mask, actions)
-    policy = with_lora(copy.deepcopy(tiny))
-    head = ppo.ValueHead(tiny.config.hidden_size)
+    _, sequences, attention, actions = fake_sequences(tokenizer)
+    policy, head = with_lora(copy.deepcopy(tiny)), ppo.ValueHead(tiny.config.hidden_size)
     cfg = ppo.parse_args(["--preset", "tiny", "--precision", "bf16"])
     with torch.no_grad():
         fp32 = ppo.token_log_probs(tiny, sequences, attention, actions)
@@ -81,9 +82,7 @@ def test_micro_batches_cover_each_row_once_and_cut_only_padding():
 
 
 def test_cut_micro_batches_give_the_padded_batch_log_probs(tiny, tokenizer):
-    prompt_ids, prompt_mask, actions = fake_batch(tokenizer)
-    sequences = torch.cat([prompt_ids, actions], 1)
-    attention = ppo.full_mask(prompt_mask, actions)
+    prompt_mask, sequences, attention, actions = fake_sequences(tokenizer)
     groups = ppo.micro_batches(prompt_mask, 1)
     assert max(first for _, first in groups) > 0                 # something is cut
     with torch.no_grad():
