@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+import loaders
+
 PHASES = ("generate", "score", "forward", "update")
 
 
@@ -42,9 +44,8 @@ def post_policy_forward(policy, value_head, sequences, attention_mask, actions, 
                         with_entropy=False):
     """The post's policy_forward: full logits at every position, log_softmax, gather."""
     P = sequences.shape[1] - actions.shape[1]
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = policy(sequences, attention_mask=attention_mask, position_ids=positions,
-                 output_hidden_states=True)
+    out = policy(sequences, attention_mask=attention_mask,
+                 position_ids=loaders.positions(attention_mask), output_hidden_states=True)
     logits = out.logits[:, P - 1:-1] / temperature                      # (B, T, V)
     chosen = torch.log_softmax(logits, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     hidden = out.hidden_states[-1][:, P - 1:-1]                         # (B, T, H)
@@ -55,15 +56,14 @@ def post_policy_forward(policy, value_head, sequences, attention_mask, actions, 
 def post_token_log_probs(model, sequences, attention_mask, actions, temperature=1.0):
     """The post's token_log_probs: full logits, log_softmax over V, gather."""
     P = sequences.shape[1] - actions.shape[1]
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(sequences, attention_mask=attention_mask,
-                   position_ids=positions).logits[:, P - 1:-1] / temperature
+                   position_ids=loaders.positions(attention_mask)).logits[:, P - 1:-1]
+    logits = logits / temperature                                       # (B, T, V)
     return torch.log_softmax(logits, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1).float()
 
 
 def worker(variant, iterations, micro_batch, reward_model, precision):
     """Run `iterations` of ppo.train at the blog preset; print one JSON line of results."""
-    import loaders
     import ppo
     import reward_model as rm
     if variant == "post":

@@ -35,6 +35,7 @@ Run `python loaders.py` to print what it finds.
 
 import argparse
 import csv
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -77,6 +78,22 @@ def pick_device():
     if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def default_preset():
+    """The preset a script picks when given none: `blog` with CUDA or MPS, else `cpu`."""
+    return "cpu" if pick_device().type == "cpu" else "blog"
+
+
+def option(default, help):
+    """A dataclass field with its --help text (the Config of ppo.py and reward_model.py)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def positions(mask):
+    """Position ids that count real tokens only, so padding on either side shifts nothing.
+    mask (B, L), 1 on real tokens -> (B, L) long."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def add_common_args(parser):

@@ -59,7 +59,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # OpenMP threads that spin while waiting lose ~10x on a shared 2-core machine (see
@@ -77,53 +77,49 @@ from report import (load_checkpoint, peak_memory_gb, plot_curves, print_row, pri
                     print_samples, report_sweep, save_checkpoint, write_json)
 from gae import (AdaptiveKLController, advantages_and_returns, kl_per_token,
                  response_mask, shaped_rewards, whiten)
+from loaders import option
 from lora import with_lora
 
 
 # ----------------------------------------------------------------------------- config
 
-def _opt(default, help):
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class Config:
-    preset: str = _opt("auto", "blog (CUDA/MPS default), cpu (CPU default) or tiny (tests)")
-    beta: list = _opt((0.1,), "KL coefficient(s); several run a sweep")
-    seeds: list = _opt((0,), "seed(s); every (beta, seed) pair is one run")
-    iterations: int = _opt(100, "PPO iterations per run (the post: 100)")
-    batch: int = _opt(16, "prompts per iteration, BATCH (the post: 16)")
-    prompt_tokens: int = _opt(256, "PROMPT_TOKENS, longer posts are cut (the post: 256)")
-    max_new_tokens: int = _opt(48, "MAX_NEW_TOKENS (the post: 48)")
-    temperature: float = _opt(1.0, "sampling temperature (the post: 1.0)")
-    top_k: int = _opt(50, "top-k sampling (the post: 50)")
-    top_p: float = _opt(0.95, "nucleus sampling (the post: 0.95)")
-    inner_steps: int = _opt(2, "clipped updates per batch, INNER_STEPS (the post: 2)")
-    lr: float = _opt(1e-4, "adapter learning rate, LR (the post: 1e-4)")
-    value_lr: float = _opt(1e-4, "value head learning rate, VALUE_LR (the post: 1e-4)")
-    clip: float = _opt(0.2, "PPO clip epsilon, CLIP (the post: 0.2)")
-    gamma: float = _opt(0.99, "discount gamma (the post: 0.99)")
-    lam: float = _opt(0.95, "GAE lambda (the post: 0.95)")
-    vf_coef: float = _opt(1.0, "c_v in (14) (the post: 1)")
-    ent_coef: float = _opt(0.0, "c_ent in (14), the entropy bonus (12) (the post: 0)")
-    ptx_coef: float = _opt(0.0, "c_ptx in (14), LM loss (13) on human TL;DRs (the post: 0)")
-    target_kl: float = _opt(None, "if set, adapt beta toward this KL per sequence (nats), "
+    preset: str = option("auto", "blog (CUDA/MPS default), cpu (CPU default) or tiny (tests)")
+    beta: list = option((0.1,), "KL coefficient(s); several run a sweep")
+    seeds: list = option((0,), "seed(s); every (beta, seed) pair is one run")
+    iterations: int = option(100, "PPO iterations per run (the post: 100)")
+    batch: int = option(16, "prompts per iteration, BATCH (the post: 16)")
+    prompt_tokens: int = option(256, "PROMPT_TOKENS, longer posts are cut (the post: 256)")
+    max_new_tokens: int = option(48, "MAX_NEW_TOKENS (the post: 48)")
+    temperature: float = option(1.0, "sampling temperature (the post: 1.0)")
+    top_k: int = option(50, "top-k sampling (the post: 50)")
+    top_p: float = option(0.95, "nucleus sampling (the post: 0.95)")
+    inner_steps: int = option(2, "clipped updates per batch, INNER_STEPS (the post: 2)")
+    lr: float = option(1e-4, "adapter learning rate, LR (the post: 1e-4)")
+    value_lr: float = option(1e-4, "value head learning rate, VALUE_LR (the post: 1e-4)")
+    clip: float = option(0.2, "PPO clip epsilon, CLIP (the post: 0.2)")
+    gamma: float = option(0.99, "discount gamma (the post: 0.99)")
+    lam: float = option(0.95, "GAE lambda (the post: 0.95)")
+    vf_coef: float = option(1.0, "c_v in (14) (the post: 1)")
+    ent_coef: float = option(0.0, "c_ent in (14), the entropy bonus (12) (the post: 0)")
+    ptx_coef: float = option(0.0, "c_ptx in (14), LM loss (13) on human TL;DRs (the post: 0)")
+    target_kl: float = option(None, "if set, adapt beta toward this KL per sequence (nats), "
                                   "Ziegler et al.'s controller; --beta is the start")
-    kl_estimator: str = _opt("k1", "per-token KL estimate for the penalty: k1 (the post) or k3")
-    missing_eos_penalty: float = _opt(None, "if set, the score of a response with no EOS")
-    micro_batch: int = _opt(16, "sequences per forward (and backward) in the old, reference "
+    kl_estimator: str = option("k1", "per-token KL estimate for the penalty: k1 (the post) or k3")
+    missing_eos_penalty: float = option(None, "if set, the score of a response with no EOS")
+    micro_batch: int = option(16, "sequences per forward (and backward) in the old, reference "
                                 "and inner-step passes; same gradient, less memory")
-    precision: str = _opt("fp32", "fp32 (the post), bf16 (the transformer bodies under "
+    precision: str = option("fp32", "fp32 (the post), bf16 (the transformer bodies under "
                                   "bfloat16 autocast; log-probs, values and losses stay fp32), "
                                   "or auto: bf16 where this hardware has bf16 matmuls")
-    eval_prompts: int = _opt(64, "held-out prompts for the final evaluation")
-    checkpoint_every: int = _opt(10, "save a resumable checkpoint every N iterations")
-    reward_model: str = _opt("runs/reward_model", "folder written by reward_model.py")
-    out: str = _opt(None, "output folder (default runs/ppo_beta{b}_seed{s}, or runs/ppo_sweep)")
-    resume: bool = _opt(False, "continue the run in --out from its last checkpoint")
-    model: str = _opt(loaders.POLICY_NAME, "policy/reference model: hub id or local folder")
-    data_dir: str = _opt(None, "folder with the TL;DR files (default $RLHF_DATA_DIR, "
-                               "../shared/data, else the hub)")
+    eval_prompts: int = option(64, "held-out prompts for the final evaluation")
+    checkpoint_every: int = option(10, "save a resumable checkpoint every N iterations")
+    reward_model: str = option("runs/reward_model", "folder written by reward_model.py")
+    out: str = option(None, "output folder (default runs/ppo_beta{b}_seed{s}, or runs/ppo_sweep)")
+    resume: bool = option(False, "continue the run in --out from its last checkpoint")
+    model: str = loaders.POLICY_NAME                # --model and --data-dir come from loaders
+    data_dir: str = None
 
 
 PRESETS = {
@@ -148,8 +144,10 @@ PRESETS = {
 
 def parse_args(argv=None):
     """Config from the command line: defaults, then the preset, then explicit flags."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = loaders.add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     for f in dataclasses.fields(Config):
+        if f.name in ("model", "data_dir"):
+            continue
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool:
             parser.add_argument(flag, action="store_true", help=f.metadata["help"])
@@ -162,7 +160,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     preset = args.preset or "auto"
     if preset == "auto":
-        preset = "cpu" if loaders.pick_device().type == "cpu" else "blog"
+        preset = loaders.default_preset()
     if preset not in PRESETS:
         parser.error(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
     values = {**PRESETS[preset], "preset": preset}
@@ -253,14 +251,14 @@ def native_bf16(device):
 def precision(cfg, device):
     """The context for every transformer-body pass: bf16 autocast with --precision bf16,
     else nothing (fp32, as the post). The log-prob gather and the value head opt out of it
-    (`fp32_head`), so log-probs, values and losses are fp32 either way."""
+    (`heads_in_fp32`), so log-probs, values and losses are fp32 either way."""
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
                           enabled=cfg.precision == "bf16")
 
 
-def fp32_head(hidden):
-    """Leave autocast for the heads: (..., H) hidden as fp32, and a context with autocast off."""
-    return hidden.float(), torch.autocast(hidden.device.type, enabled=False)
+def heads_in_fp32(hidden):
+    """Autocast off, for the LM and value heads that read `hidden` (the bodies may be bf16)."""
+    return torch.autocast(hidden.device.type, enabled=False)
 
 
 # ------------------------------------------------------------- generating and scoring
@@ -294,9 +292,8 @@ def response_hidden(model, sequences, attention_mask, T):
     """
     inputs = sequences[:, :-1]                                  # (B, P+T-1)
     mask = attention_mask[:, :-1]                               # (B, P+T-1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)              # (B, P+T-1)
     hidden = model.model(input_ids=inputs, attention_mask=mask,
-                         position_ids=positions).last_hidden_state      # (B, P+T-1, H)
+                         position_ids=loaders.positions(mask)).last_hidden_state  # (B, P+T-1, H)
     return hidden[:, -T:]                                       # (B, T, H) response states only
 
 
@@ -308,10 +305,9 @@ def token_log_probs(model, sequences, attention_mask, actions, temperature=1.0):
     reference and a fresh policy agree to the last bit.
     """
     hidden = response_hidden(model, sequences, attention_mask, actions.shape[1])  # (B, T, H)
-    hidden, fp32 = fp32_head(hidden)
-    with fp32:
-        return kernels.gather_log_probs_from_hidden(hidden, model.lm_head.weight, actions,
-                                                    temperature)    # (B, T)
+    with heads_in_fp32(hidden):
+        return kernels.gather_log_probs_from_hidden(hidden.float(), model.lm_head.weight,
+                                                    actions, temperature)    # (B, T)
 
 
 @torch.no_grad()
@@ -364,8 +360,8 @@ def policy_forward(policy, value_head, sequences, attention_mask, actions, tempe
          with_entropy the entropy of pi(. | s_t) (B, T) from the same pass
     """
     hidden = response_hidden(policy, sequences, attention_mask, actions.shape[1])  # (B, T, H)
-    hidden, fp32 = fp32_head(hidden)
-    with fp32:
+    with heads_in_fp32(hidden):
+        hidden = hidden.float()                                 # (B, T, H)
         out = kernels.gather_log_probs_from_hidden(hidden, policy.lm_head.weight, actions,
                                                    temperature, return_entropy=with_entropy)
         logp, entropy = out if with_entropy else (out, None)    # (B, T) each
@@ -506,10 +502,14 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
                                                                      att, act, cfg.temperature)
                     logp_ref[rows] = token_log_probs(reference, seq, att, act, cfg.temperature)
             # ---- 4. shaped reward (3)-(4), then GAE (5)-(6) and returns (7)
+            # (4)  D_KL^(t) ~= log pi_old(a_t|s_t) - log pi_ref(a_t|s_t)   (k1; k3 if asked)
             kl = kl_per_token(logp_old, logp_ref, cfg.kl_estimator)         # (B, T)
             current_beta = controller.beta if controller else beta
+            # (3)  r_t = -beta D_KL^(t) + 1{t=T} r_score, T each response's last real token
             rewards = shaped_rewards(logp_old, logp_ref, scores, current_beta, mask, kl=kl)
-            adv, ret = advantages_and_returns(rewards, values, mask, cfg.gamma, cfg.lam)
+            # (5)-(7)  delta_t, A_t = sum_l (gamma lam)^l delta_{t+l}, R_t = A_t + V(s_t)
+            adv, ret = advantages_and_returns(rewards, values, mask, cfg.gamma,
+                                              cfg.lam)                      # (B, T) each
             adv = whiten(adv, mask)                     # (B, T) over real tokens only
         timer["forward"] = time.perf_counter() - t
 
@@ -556,10 +556,10 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         timer["update"] = time.perf_counter() - t
 
         # ---- metrics
-        if controller:
-            controller.update(torch.where(mask.bool(), kl, 0.0).sum(-1).mean().item())
         row = iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mask,
                                 actions, eos, logs, ratio_min, ratio_max, current_beta)
+        if controller:                                  # on the batch's KL per sequence
+            controller.update(row["kl"])
         row.update({f"seconds_{k}": round(v, 3) for k, v in timer.items()},
                    seconds=round(time.perf_counter() - t0, 3),
                    peak_memory_gb=round(peak_memory_gb(device), 3))

@@ -2,6 +2,7 @@
 
 Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
     write_json            results.json, written aside and renamed (never half-written)
+    publish               the same for a folder (reward_model.py's output, checkpoints)
     save_checkpoint       adapter, value head, AdamW moments and the RNG, as safetensors,
     load_checkpoint       so that `ppo.py --resume` continues a killed run exactly
     peak_memory_gb        CUDA's allocator peak, or the process's peak resident memory
@@ -35,6 +36,18 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
+def publish(staging, out):
+    """Rename a finished folder into place; an older `out` is moved aside first and removed
+    after, so a crash at any point leaves the old folder or the new one, never neither."""
+    out = Path(out).resolve()
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    staging.chmod(0o755)                         # mkdtemp made it private (0700)
+    if out.exists():
+        out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controller_beta):
     """Adapter, value head, optimizer moments and RNG state, as safetensors + JSON."""
     staging = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint-"))
@@ -51,12 +64,7 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
     save_file(tensors, str(staging / "optimizer_rng.safetensors"))
     write_json(staging / "state.json", {"iteration": iteration, "beta": controller_beta,
                                         "optimizer_scalars": scalars})
-    final, old = Path(run_dir) / "checkpoint", Path(run_dir) / ".checkpoint-old"
-    if final.exists():                      # swap, so a crash never leaves no checkpoint
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    staging.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    publish(staging, Path(run_dir) / "checkpoint")
 
 
 def load_checkpoint(run_dir, policy, value_head, optimizer):

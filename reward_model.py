@@ -54,7 +54,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 # Before torch loads OpenMP: on a shared CPU, threads that spin while they wait for each
@@ -71,10 +71,9 @@ from transformers import DynamicCache  # noqa: E402
 
 import loaders  # noqa: E402
 import lora  # noqa: E402
-
-
-def option(default, help):
-    return field(default=default, metadata={"help": help})
+from gae import last_token_index  # noqa: E402
+from loaders import option  # noqa: E402
+from report import publish  # noqa: E402
 
 
 @dataclass
@@ -125,7 +124,7 @@ def parse_config(argv=None):
             parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
                                 default=None, help=f.metadata["help"], **extra)
     args = vars(parser.parse_args(argv))
-    preset = args["preset"] or ("cpu" if loaders.pick_device().type == "cpu" else "blog")
+    preset = args["preset"] or loaders.default_preset()
     config = Config(**{**PRESETS[preset], "preset": preset})
     for name, value in args.items():
         if value is not None:
@@ -163,11 +162,6 @@ def split_comparisons(comparisons, heldout_fraction, seed=0):
 
 # ------------------------------------------------------------------ the model
 
-def positions(mask):
-    """Position ids that count real tokens only, so padding shifts nothing. (B, L)."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def pad(sequences, pad_id, side, device):
     """Lists of ids -> (ids, mask), both (B, L) long, padded on `side`; mask 1 = real."""
     width = max(map(len, sequences))
@@ -201,7 +195,7 @@ class RewardModel(nn.Module):
         """
         # Departure 3: positions from the mask, so the padding side does not matter.
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=positions(attention_mask),
+                           position_ids=loaders.positions(attention_mask),
                            use_cache=False).last_hidden_state              # (B, L, d)
         return self.read_score(hidden, attention_mask)
 
@@ -222,20 +216,17 @@ class RewardModel(nn.Module):
         name = "cache" if "cache" in inspect.signature(self.body.forward).parameters \
             else "past_key_values"
         self.body(input_ids=prompt_ids, attention_mask=prompt_mask,        # (M, P) left
-                  position_ids=positions(prompt_mask), use_cache=True, **{name: cache})
+                  position_ids=loaders.positions(prompt_mask), use_cache=True, **{name: cache})
         cache.reorder_cache(owner)               # every layer's K, V: (M, ...) -> (N, ...)
         mask = torch.cat([prompt_mask[owner], summary_mask], dim=1)         # (N, P + S)
         hidden = self.body(input_ids=summary_ids, attention_mask=mask,      # (N, S) right
-                           position_ids=positions(mask)[:, prompt_ids.shape[1]:],
+                           position_ids=loaders.positions(mask)[:, prompt_ids.shape[1]:],
                            use_cache=True, **{name: cache}).last_hidden_state  # (N, S, d)
         return self.read_score(hidden, summary_mask)
 
     def read_score(self, hidden, mask):
         """(R2) and (R3) at the last column where mask is 1. hidden (B, L, d) -> (B,)."""
-        columns = torch.arange(mask.shape[1], device=mask.device)           # (L,)
-        last = torch.where(mask.bool(), columns, -1).amax(-1)               # (B,)
-        if (last < 0).any():
-            raise ValueError("a row of the attention mask has no real token to score")
+        last = last_token_index(mask)            # (B,); ValueError if a row has no real token
         h_T = hidden[torch.arange(len(last), device=last.device), last]     # (B, d)
         # (R2)  r(x, y) = w . h_T + b
         raw = self.head(h_T).squeeze(-1).float()                            # (B,)
@@ -577,17 +568,6 @@ def staging_folder(out):
     except OSError as error:
         raise SystemExit(f"error: cannot write next to --out {out} ({error}); "
                          "pass --out a folder you can write to") from error
-
-
-def publish(staging, out):
-    """Rename the finished folder into place; an older `out` is replaced, never merged."""
-    out = Path(out).resolve()
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    staging.chmod(0o755)                         # mkdtemp made it private (0700)
-    if out.exists():
-        out.rename(old)
-    staging.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv=None):

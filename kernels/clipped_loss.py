@@ -47,7 +47,7 @@ try:
 except ImportError:  # macOS or a CPU-only install: the PyTorch path below still works
     triton = None
 
-from .logprob import INTERPRET
+from .logprob import require_triton
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,11 +109,7 @@ if triton is not None:
 
 def loss_terms_triton(logp, logp_old, adv, keep, clip):
     """Launcher: same contract as loss_terms_torch."""
-    if triton is None:
-        raise RuntimeError("the Triton backend needs `pip install triton`; or set_backend('torch')")
-    if not logp.is_cuda and not INTERPRET:
-        raise RuntimeError("Triton kernels need CUDA tensors; to run them on the CPU (slowly, for "
-                           "tests) set TRITON_INTERPRET=1 before `import kernels`")
+    require_triton(logp)
     n = logp.numel()
     outs = [torch.empty(n, dtype=torch.float32, device=logp.device) for _ in range(4)]
     # 1024 tokens per program: 8 per thread at num_warps=4, so loads are 128-bit wide; a PPO

@@ -284,12 +284,18 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------
 # Launchers: check, allocate, grid, launch.
 # ---------------------------------------------------------------------------------------------
-def _launch_setup(x, a):
+def require_triton(x):
+    """Raise a clear error unless the Triton kernels can run on tensor x (here and in
+    clipped_loss.py)."""
     if triton is None:
         raise RuntimeError("the Triton backend needs `pip install triton`; or set_backend('torch')")
     if not x.is_cuda and not INTERPRET:
         raise RuntimeError("Triton kernels need CUDA tensors; to run them on the CPU (slowly, for "
                            "tests) set TRITON_INTERPRET=1 before `import kernels`")
+
+
+def _launch_setup(x, a):
+    require_triton(x)
     B, T, V = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()                                   # the kernels assume unit V stride
