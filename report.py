@@ -6,7 +6,8 @@ Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
     save_checkpoint       adapter, value head, AdamW moments and the RNG, as safetensors,
     load_checkpoint       so that `ppo.py --resume` continues a killed run exactly
     peak_memory_gb        CUDA's allocator peak, or the process's peak resident memory
-    print_row, print_samples, report_sweep    the post's table and samples
+    print_row, print_gain, print_samples, report_sweep    the post's table (each reward
+                          with its standard error, the paired gain over the reference) and samples
     plot_curves, plot_sweep                   curves.png and sweep.png
 
 Used by: ppo.py (tests: tests/test_ppo.py, resume and sweep end to end).
@@ -107,28 +108,47 @@ def print_samples(samples, posts, title, n=3):
 
 
 def print_row_header():
-    print(f"\n{'KL':>6} {'reward':>8} {'fluency':>9} {'KL(ref)':>8} {'length':>7} "
-          f"{'distinct-2':>10}")
+    print(f"\n{'KL':>6} {'reward ± SE':>15} {'fluency':>9} {'KL(ref)':>8} {'length':>7} "
+          f"{'EOS':>5} {'copied':>7} {'distinct-2':>10}")
 
 
 def print_row(name, r):
-    print(f"{name:>6} {r['reward']:>8.2f} {r['fluency']:>9.1f} {r['kl']:>8.2f} "
-          f"{r['length']:>7.1f} {r['distinct_2']:>10.3f}")
+    """One row of the table; a row with a reward only (human TL;DRs) stops after it.
+    EOS: the fraction of samples that ended; copied: of their bigrams, those in the post."""
+    line = f"{name:>6} {r['reward']:>7.2f} ± {r['reward_se']:<5.2f}"
+    if "fluency" in r:
+        line += (f" {r['fluency']:>9.1f} {r['kl']:>8.2f} {r['length']:>7.1f} "
+                 f"{r['eos_fraction']:>5.2f} {r['copied_bigrams']:>7.2f} {r['distinct_2']:>10.3f}")
+    print(line.rstrip())
+
+
+def print_gain(r):
+    """The paired gain over the reference: mean of r_policy,i - r_ref,i, its SE, in SEs."""
+    gain, se = r["gain_over_ref"], r["gain_over_ref_se"]
+    z = f"{gain / se:.1f} SE" if se > 0 else "SE n/a"            # NaN below two posts
+    print(f"gain over (ref): {gain:+.2f} ± {se:.2f} ({z}, paired over {len(r['samples'])} posts)")
 
 
 def report_sweep(table, baseline, out):
-    """The post's table: reward and fluency worst to best over seeds, mean value loss."""
-    print(f"\n{'KL':>6} {'reward, worst to best':>24} {'fluency':>20} {'value loss':>12}")
+    """The post's table: reward, gain over the reference and fluency worst to best over
+    seeds (± the seeds' mean standard error), EOS and copied fractions averaged over seeds,
+    and the mean value loss."""
+    print(f"\n{'KL':>6} {'reward, worst to best':>21} {'gain over (ref)':>21} {'fluency':>16} "
+          f"{'EOS':>5} {'copied':>7} {'value loss':>11}")
     for beta in sorted({r["beta"] for r in table}):
         runs = [r for r in table if r["beta"] == beta]
+        mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
         got = sorted(r["reward"] for r in runs)
+        gain = sorted(r["gain_over_ref"] for r in runs)
         flu = sorted(r["fluency"] for r in runs)
-        val = sum(r["value_loss_last20"] for r in runs) / len(runs)
-        print(f"{beta:>6g} {got[0]:>10.2f} to {got[-1]:>9.2f} "
-              f"{flu[0]:>9.1f} to {flu[-1]:>8.1f} {val:>12.3f}")
-    print(f"{'(ref)':>6} {baseline['ref']['reward']:>10.2f}{'':>13} "
-          f"{baseline['ref']['fluency']:>9.1f}")
-    print(f"{'human':>6} {baseline['human']['reward']:>10.2f}")
+        print(f"{beta:>6g} {got[0]:>5.2f} to {got[-1]:>5.2f} ± {mean('reward_se'):<4.2f} "
+              f"{gain[0]:>+5.2f} to {gain[-1]:>+5.2f} ± {mean('gain_over_ref_se'):<4.2f} "
+              f"{flu[0]:>6.1f} to {flu[-1]:>6.1f} {mean('eos_fraction'):>5.2f} "
+              f"{mean('copied_bigrams'):>7.2f} {mean('value_loss_last20'):>11.3f}")
+    ref, human = baseline["ref"], baseline["human"]
+    print(f"{'(ref)':>6} {ref['reward']:>5.2f} {'':>8} ± {ref['reward_se']:<4.2f} {'':>21} "
+          f"{ref['fluency']:>16.1f} {ref['eos_fraction']:>5.2f} {ref['copied_bigrams']:>7.2f}")
+    print(f"{'human':>6} {human['reward']:>5.2f} {'':>8} ± {human['reward_se']:<4.2f}")
     write_json(out / "sweep.json", {"runs": table, "baseline": baseline})
     plot_sweep(table, baseline, out / "sweep.png")
     print(f"sweep in {out}/sweep.json and {out}/sweep.png")
@@ -157,8 +177,9 @@ def plot_sweep(table, baseline, path):
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for ax, key in zip(axes, ("reward", "fluency")):
         for i, beta in enumerate(betas):
-            ys = [r[key] for r in table if r["beta"] == beta]
-            ax.scatter([i] * len(ys), ys, color="C0")
+            runs = [r for r in table if r["beta"] == beta]
+            ax.errorbar([i] * len(runs), [r[key] for r in runs], fmt="o", color="C0",
+                        yerr=[r["reward_se"] for r in runs] if key == "reward" else None)
         ax.axhline(baseline["ref"][key], color="gray", ls="--", label="reference")
         if key == "reward":
             ax.axhline(baseline["human"]["reward"], color="C2", ls=":", label="human")

@@ -8,13 +8,27 @@ The model is the policy's base LM (SmolLM2-135M-Instruct without its LM head), t
 LoRA adapter (`lora.py`: rank 16, alpha 32, on q_proj and v_proj) and a scalar linear head
 read at the EOS that ends "post + TL;DR: + summary". It shares the policy's tokenizer, so
 PPO scores the sampled ids directly. The post numbers no reward-model equation, so the
-ones here are R1-R4 (R1 is Stiennon et al.'s eq. 1):
+ones here are R1-R6 (R1 is Stiennon et al.'s eq. 1):
     (R1) L = -log sigmoid(r(x, y_w) - r(x, y_l))        y_w preferred over y_l by a person
-    (R2) r(x, y) = w . h_T + b,   w, b ~ N(0, 1/sqrt(d+1)) as a std, d the hidden width
-    (R3) r_hat(x, y) = r(x, y) + bias,   bias = -mean of r over human TL;DRs (held-out posts)
+    (R2) f(x, y) = u . h_T + b,   u, b ~ N(0, 1/sqrt(d+1)) as a std, d the hidden width
+    (R3) f_hat(x, y) = f(x, y) + bias,   bias = -mean of f over human TL;DRs (held-out posts)
     (R4) the Wilson 95% interval of the held-out pairwise accuracy
+    (R5) r(x, y) = f(x, y) + w g(y),   g(y) = log(1 + |y|),   |y| the summary's tokens
+    (R6) w = argmax_w  sum_pairs log sigmoid(w (g(y_w) - g(y_l)))    length alone, then frozen
 R1 sees only the difference of two scores: add a constant to every score and the loss
 does not change. The origin of the scale is arbitrary; R3 fixes it after training.
+
+Length is a separate, explicit term (R5), as in the length-controlled win rate of AlpacaEval
+(Dubois et al. 2024, arXiv:2404.04475: a regression with a length covariate) and in ODIN
+(Chen et al. 2024, arXiv:2402.07319: a length head apart from a quality head). The simplest
+form that worked: one scalar w times a fixed g, fitted by (R6) before the network trains and
+then frozen. Learned jointly, the adapter soaked up length faster than w did (content
+accuracy where people chose the shorter summary: 0.29; frozen: 0.50). The saved model gives
+    content = f_hat                 what the text is worth at a given length (PPO's default)
+    full    = f_hat + w g(y)        what people's choices predict, length included
+    length_weight = w
+g is log length because one more token matters more to a 5-token summary than to a 45-token
+one; a linear g would let a policy buy the same reward with every extra token.
 
 Papers:
   Bradley & Terry 1952, "Rank analysis of incomplete block designs I" (the pairwise model)
@@ -36,13 +50,26 @@ Departures from Stiennon et al. (each repeated at its line):
   4. Prompts are cut to a token budget with `loaders.fit_prompt` (cpu: 128 tokens, blog:
      512 as Stiennon) and summaries to 48 tokens, the post's sampling length.
   5. R3 averages over the held-out posts' human TL;DRs, not the whole dataset's.
+  6. Length is modelled apart from content, (R5)-(R6): see above.
+  7. `--reference-pairs N` adds N comparisons "a post's human TL;DR beats the reference
+     policy's own sample" (SmolLM2 with the post's sampling settings), as Stiennon et al.'s
+     data compared policy samples with the human reference ("ref" in batch18). The sample is
+     cut to the TL;DR's length, so the pair carries no length difference and only f learns
+     from it. No post whose TL;DR serves in evaluation is used: not this file's held-out
+     posts, not ppo.py's evaluation posts (`loaders.EVAL_RESERVE`). For the same reason a
+     training comparison holding the human TL;DR of one of ppo.py's evaluation posts is
+     dropped. `--reference-pairs 0` turns this off.
+  8. Every summary is read at an EOS: training appends one, and PPO's responses that hit
+     the length limit get one appended before scoring (`score_ids`), so a response cut at
+     48 tokens looks like a training summary cut at 48 tokens, not like nothing seen before.
 Speed, exact: a pair's two summaries share one pass over their prompt (its keys and values
 are cached and copied), which causal attention makes identical to two full passes (tested).
 
 Run:   python reward_model.py                 (cpu preset: 15 min on a shared 2-core CPU)
        python reward_model.py --preset tiny   (toy model, seconds)
 Test:  python -m pytest -q tests/test_reward_model.py
-Use:   model = load_reward_model("runs/reward_model"); r = score_ids(model, p, pm, y, ym)
+Use:   model = load_reward_model("runs/reward_model")
+       r = score_ids(model, p, pm, y, ym, part="content")      # or part="full"
 """
 import argparse
 import inspect
@@ -99,6 +126,9 @@ class Config:
     max_heldout_pairs: int = option(0, "evaluate on at most this many held-out "
                                        "comparisons; 0 = all")
     eval_batch: int = option(32, "summaries per forward pass when scoring")
+    reference_pairs: int = option(1024, "add this many 'human TL;DR beats the reference "
+                                         "policy's sample' comparisons (departure 7); 0 = off")
+    sample_batch: int = option(32, "prompts per generate call when sampling the reference")
     model: str = loaders.POLICY_NAME             # --model and --data-dir come from loaders
     data_dir: str = ""
 
@@ -108,10 +138,18 @@ PRESETS = {
     "blog": {},                                  # every pair, one epoch, CUDA or MPS
     # Measured on a 2-core CPU shared with other jobs: 162 steps of 8 pairs in 12 min
     # (2.8 s a step when idle), 15 min in all with evaluation; about 10 min when idle.
-    "cpu": {"max_prompt_tokens": 128, "lora_layers": 8},
+    "cpu": {"max_prompt_tokens": 128, "lora_layers": 8, "reference_pairs": 192},
     "tiny": {"max_pairs": 16, "batch_pairs": 4, "max_prompt_tokens": 64, "lora_layers": 1,
-             "max_summary_tokens": 24, "min_heldout_pairs": 0, "max_heldout_pairs": 32},
+             "max_summary_tokens": 24, "min_heldout_pairs": 0, "max_heldout_pairs": 32,
+             "reference_pairs": 4, "sample_batch": 8},
 }
+
+# The two scores a saved model gives (R5), and the one ppo.py maximises unless told.
+# `content` by default: the length term is what PPO exploited when it was part of the
+# reward (samples ran to the 48-token limit, scored highest for it), and w g(y) adds
+# nothing a policy should chase; `full` is there to compare with.
+PARTS = ("content", "full")
+DEFAULT_PART = "content"
 
 
 def parse_config(argv=None):
@@ -140,6 +178,28 @@ def bt_loss(r_w, r_l):
     return -F.logsigmoid(r_w - r_l).mean()
 
 
+def length_feature(tokens):
+    """g(y) of (R5): log(1 + |y|), for (B,) token counts (without the EOS)."""
+    return torch.log1p(torch.as_tensor(tokens, dtype=torch.float64))
+
+
+def fit_length_weight(dg, iterations=50):
+    """(R6): the w that best predicts people's choices from length alone. dg: (N,) g_w - g_l.
+
+    A one-parameter logistic regression with no intercept (swapping a pair's sides flips
+    dg and the label together), solved by Newton's method; the log-likelihood is concave.
+    """
+    dg, w = torch.as_tensor(dg, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for _ in range(iterations):
+        p = torch.sigmoid(w * dg)                                           # (N,)
+        # d/dw sum log sigmoid(w dg) = sum dg (1 - p);  d2/dw2 = -sum dg^2 p (1 - p)
+        step = (dg * (1 - p)).sum() / (dg * dg * p * (1 - p)).sum().clamp(min=1e-12)
+        w = w + step
+        if step.abs() < 1e-10:
+            break
+    return w.item()
+
+
 def pairwise_accuracy(r_w, r_l):
     """Fraction of comparisons ranked right; an exact tie counts one half."""
     return ((r_w > r_l).double() + 0.5 * (r_w == r_l).double()).mean().item()
@@ -153,6 +213,48 @@ def wilson_interval(accuracy, n, z=1.96):
     centre = accuracy + z * z / (2 * n)
     spread = z * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n))
     return (centre - spread) / (1 + z * z / n), (centre + spread) / (1 + z * z / n)
+
+
+# Held-out pairs by how much their two summaries differ in length, in tokens (inclusive).
+LENGTH_BINS = (("0-3", 0, 3), ("4-10", 4, 10), (">10", 11, 10 ** 9))
+
+
+def pair_metrics(r_w, r_l, len_w, len_l):
+    """What one score does on held-out pairs. r_w, r_l: (n,) scores; len_w, len_l: (n,) tokens.
+
+    Accuracy and its Wilson interval (R4); accuracy on the pairs where people chose the
+    shorter summary (a score that only measures length gets these wrong); the Pearson
+    correlation of score and length over all 2n summaries; accuracy by length difference.
+    """
+    n, nan = len(r_w), float("nan")
+    accuracy = pairwise_accuracy(r_w, r_l)
+    low, high = wilson_interval(accuracy, n)
+    shorter = len_w < len_l                                                 # (n,) bool
+    both = torch.stack([torch.cat([r_w, r_l]).double(),
+                        torch.cat([len_w, len_l]).double()])                # (2, 2n)
+    out = {"heldout_accuracy": accuracy, "wilson_low": low, "wilson_high": high,
+           "shorter_preferred_accuracy": (pairwise_accuracy(r_w[shorter], r_l[shorter])
+                                          if shorter.any() else nan),
+           "score_length_correlation": torch.corrcoef(both)[0, 1].item(),
+           "accuracy_by_length_difference": {}}
+    gap = (len_w - len_l).abs()                                             # (n,)
+    for name, lo, hi in LENGTH_BINS:
+        rows = (gap >= lo) & (gap <= hi)                                    # (n,) bool
+        k = int(rows.sum())
+        a = pairwise_accuracy(r_w[rows], r_l[rows]) if k else nan
+        out["accuracy_by_length_difference"][name] = {
+            "pairs": k, "accuracy": a, "wilson": list(wilson_interval(a, k)) if k else [0, 1]}
+    return out
+
+
+def human_minus_reference_sd(human, reference):
+    """(mean human score - mean reference-sample score) / SD of the reference samples' scores.
+
+    How many of the reference policy's own spreads separate a person's TL;DR from what
+    SmolLM2 writes for the same posts; the SD is the sample SD (n - 1).
+    """
+    human, reference = torch.as_tensor(human).double(), torch.as_tensor(reference).double()
+    return ((human.mean() - reference.mean()) / reference.std()).item()
 
 
 def split_comparisons(comparisons, heldout_fraction, seed=0):
@@ -174,7 +276,10 @@ def pad(sequences, pad_id, side, device):
 
 
 class RewardModel(nn.Module):
-    """LM body with LoRA, a scalar head (R2) and the normalisation shift `bias` (R3)."""
+    """LM body with LoRA, a scalar head (R2), the shift `bias` (R3) and the length weight (R5).
+
+    Calling it gives the content score f_hat; `score_part` turns that into either part.
+    """
 
     def __init__(self, body, settings):
         super().__init__()
@@ -186,9 +291,11 @@ class RewardModel(nn.Module):
         nn.init.normal_(self.head.weight, std=1 / math.sqrt(d + 1))
         nn.init.normal_(self.head.bias, std=1 / math.sqrt(d + 1))
         self.register_buffer("bias", torch.zeros((), device=self.head.weight.device))
+        # (R5) w, fitted by (R6) before training and frozen; 0 until then
+        self.register_buffer("length_weight", torch.zeros((), device=self.head.weight.device))
 
     def forward(self, input_ids, attention_mask):
-        """Normalised scores (B,) fp32 of (B, L) ids, read at each row's last real token.
+        """Content scores f_hat (B,) fp32 of (B, L) ids, read at each row's last real token.
 
         Real tokens may sit anywhere: after left padding (PPO's prompts), before right
         padding (training), or both (a left-padded prompt, then a response that stopped).
@@ -200,7 +307,7 @@ class RewardModel(nn.Module):
         return self.read_score(hidden, attention_mask)
 
     def forward_shared(self, prompts, summaries, owner):
-        """Scores (N,) of N summaries that follow M prompts, reading each prompt once.
+        """Content scores (N,) of N summaries that follow M prompts, reading each prompt once.
 
         prompts: M id lists; summaries: N id lists, each ending in EOS; owner: (N,) long,
         the prompt each summary follows. Exact: attention is causal, so a prompt's keys and
@@ -230,8 +337,17 @@ class RewardModel(nn.Module):
         h_T = hidden[torch.arange(len(last), device=last.device), last]     # (B, d)
         # (R2)  r(x, y) = w . h_T + b
         raw = self.head(h_T).squeeze(-1).float()                            # (B,)
-        # (R3)  r_hat = r + bias       (bias stays 0 until training has finished)
+        # (R3)  f_hat = f + bias       (bias stays 0 until training has finished)
         return raw + self.bias                                              # (B,)
+
+    def score_part(self, content, summary_tokens, part):
+        """(R5) `content`: f_hat as it is; `full`: f_hat + w g(y). Both (B,); tokens (B,)."""
+        if part == "content":
+            return content
+        if part == "full":
+            g = length_feature(summary_tokens).to(content.device, content.dtype)   # (B,)
+            return content + self.length_weight.to(content.dtype) * g
+        raise ValueError(f"part must be one of {PARTS}, not {part!r}")
 
 
 def build_reward_model(settings, device="cpu"):
@@ -304,27 +420,44 @@ def score_grouped(model, prompts, summaries, batch_rows=32, progress=False):
     return torch.tensor([scores[tuple(p), tuple(s)] for p, s in zip(prompts, summaries)])
 
 
+def with_eos(response_ids, response_mask, eos_id):
+    """Responses that hit the length limit, given the EOS that training summaries end in.
+
+    response_ids, response_mask: (B, T), the mask 1 up to and including the first EOS.
+    Returns (B, T + 1) ids and mask: rows with no EOS get one in the new last column
+    (departure 8), the others a padding column; and (B,) summary tokens, EOS not counted.
+    """
+    ended = ((response_ids == eos_id) & response_mask.bool()).any(1)       # (B,) bool
+    column = torch.full_like(response_ids[:, :1], eos_id)                  # (B, 1)
+    ids = torch.cat([response_ids, column], dim=1)                         # (B, T + 1)
+    mask = torch.cat([response_mask, (~ended).long()[:, None]], dim=1)     # (B, T + 1)
+    return ids, mask, response_mask.sum(1) - ended.long()                  # ..., (B,)
+
+
 @torch.no_grad()
-def score_ids(model, prompt_ids, prompt_mask, response_ids, response_mask):
-    """PPO's entry point: normalised scores (B,) of sampled ids, with no decode/re-encode.
+def score_ids(model, prompt_ids, prompt_mask, response_ids, response_mask, part=DEFAULT_PART):
+    """PPO's entry point: scores (B,) of sampled ids, with no decode/re-encode.
 
     prompt_ids, prompt_mask: (B, P), left-padded. response_ids, response_mask: (B, T), the
-    mask 1 up to and including the first EOS. The score is read at the last real token:
-    the response's EOS, or its last token when it hit the length limit (a layout training
-    never shows, since every training summary ends in EOS).
+    mask 1 up to and including the first EOS. The score is read at an EOS: the response's
+    own, or one appended when it hit the length limit (departure 8). `part`: see (R5).
     """
-    ids = torch.cat([prompt_ids, response_ids], dim=1)                      # (B, P + T)
-    mask = torch.cat([prompt_mask, response_mask], dim=1)                   # (B, P + T)
-    return model(ids, mask)                                                 # (B,)
+    response_ids, response_mask, tokens = with_eos(response_ids, response_mask,
+                                                   model.settings["eos_id"])  # (B, T+1) x2
+    ids = torch.cat([prompt_ids, response_ids], dim=1)                      # (B, P + T + 1)
+    mask = torch.cat([prompt_mask, response_mask], dim=1)                   # (B, P + T + 1)
+    return model.score_part(model(ids, mask), tokens, part)                 # (B,)
 
 
 @torch.no_grad()
-def score_texts(model, tokenizer, prompts, summaries, max_prompt_tokens=None, batch_rows=32):
-    """Normalised scores (B,) of written summaries (human TL;DRs), tokenized as in training."""
+def score_texts(model, tokenizer, prompts, summaries, max_prompt_tokens=None, batch_rows=32,
+                part=DEFAULT_PART):
+    """Scores (B,) of written summaries (human TL;DRs), tokenized as in training."""
     budget = max_prompt_tokens or model.settings["max_prompt_tokens"]
     encoded = [encode(tokenizer, fit_prompt_text(tokenizer, p, budget), s,
                       model.settings["max_summary_tokens"]) for p, s in zip(prompts, summaries)]
-    return score_grouped(model, [p for p, _ in encoded], [s for _, s in encoded], batch_rows)
+    content = score_grouped(model, [p for p, _ in encoded], [s for _, s in encoded], batch_rows)
+    return model.score_part(content, [len(s) - 1 for _, s in encoded], part)  # EOS not counted
 
 
 # ------------------------------------------------------------------ saving and loading
@@ -340,7 +473,9 @@ def save_reward_model(model, folder):
     lora.save_adapter(model.body, folder / "adapter.safetensors")
     save_file({"head.weight": model.head.weight.detach().contiguous(),
                "head.bias": model.head.bias.detach().contiguous(),
-               "bias": model.bias.detach().reshape(1)}, str(folder / "head.safetensors"))
+               "bias": model.bias.detach().reshape(1),
+               "length_weight": model.length_weight.detach().reshape(1)},
+              str(folder / "head.safetensors"))
     if model.settings["tiny"]:    # random weights: save them rather than trust a seed
         base = {k: v.contiguous() for k, v in model.body.state_dict().items()
                 if not k.endswith(("down.weight", "up.weight"))}
@@ -369,19 +504,24 @@ def load_reward_model(path, device="cpu"):
                          "selects the embedded one) or retrain")
     lora.load_adapter(model.body, path / "adapter.safetensors")
     head = load_file(str(path / "head.safetensors"), device=str(device))
+    if "length_weight" not in head:
+        raise ValueError(f"{path} was written by an older reward_model.py, without the length "
+                         "term (R5); retrain it with `python reward_model.py`")
     with torch.no_grad():
         model.head.weight.copy_(head["head.weight"])
         model.head.bias.copy_(head["head.bias"])
         model.bias.copy_(head["bias"][0])
+        model.length_weight.copy_(head["length_weight"][0])
     return loaders.freeze(model)
 
 
 # ------------------------------------------------------------------ data
 
 def prepare_pairs(tokenizer, comparisons, config):
-    """Comparisons -> [{post_id, prompt, chosen, rejected (id lists), *_len (tokens)}].
+    """Comparisons -> [{post_id, prompt, chosen, rejected (id lists), *_len, *_tokens}].
 
-    The lengths are of the whole summary, before any cut; they feed the length baseline.
+    *_len: the whole summary's tokens, before any cut; they feed the length baseline.
+    *_tokens: the tokens the model reads (cut, EOS not counted); they feed g of (R5).
     A post whose title alone exceeds the prompt budget is dropped.
     """
     prompts, pairs = {}, []
@@ -395,6 +535,7 @@ def prepare_pairs(tokenizer, comparisons, config):
             pair["prompt"], pair[side] = encode(tokenizer, prompts[c["post_id"]], c[side],
                                                 config.max_summary_tokens)
             pair[side + "_len"] = len(tokenizer(" " + c[side]).input_ids)
+            pair[side + "_tokens"] = len(pair[side]) - 1        # g's |y|: as cut, no EOS
         pairs.append(pair)
     if len(pairs) < len(comparisons):
         print(f"dropped {len(comparisons) - len(pairs)} comparisons whose title alone "
@@ -402,7 +543,58 @@ def prepare_pairs(tokenizer, comparisons, config):
     return pairs
 
 
-def human_references(heldout, data_dir):
+def serves_in_evaluation(comparison, reserved_titles):
+    """Whether a comparison holds the human TL;DR of one of ppo.py's evaluation posts."""
+    return (comparison["title"].strip() in reserved_titles
+            and "ref" in (comparison["chosen_policy"], comparison["rejected_policy"]))
+
+
+@torch.no_grad()
+def sample_reference(lm, tokenizer, prompts, batch, seed, desc):
+    """One summary per prompt (id lists) from the reference policy, sampled as in PPO.
+
+    Returns [(ids without the EOS, ended: bool)] in the prompts' order. Prompts of similar
+    length share a `generate` call; the draw is seeded without touching the caller's RNG.
+    """
+    import ppo                    # its `generate`, the post's; ppo.py imports this file
+    settings, eos = ppo.Config(), tokenizer.eos_token_id        # the post's sampling settings
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    samples = [None] * len(prompts)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        for start in tqdm(range(0, len(order), batch), desc=desc, unit="batch", leave=False):
+            rows = order[start:start + batch]
+            ids, mask = pad([prompts[i] for i in rows], tokenizer.pad_token_id, "left",
+                            lm.device)                                      # (b, P)
+            _, actions = ppo.generate(lm, ids, mask, settings, eos)         # (b, T)
+            for i, row in zip(rows, actions.tolist()):
+                cut = row.index(eos) if eos in row else len(row)
+                samples[i] = (row[:cut], cut < len(row))
+    return samples
+
+
+def reference_pairs(tokenizer, posts, samples, config):
+    """Departure 7: pairs "the post's human TL;DR beats the reference policy's sample".
+
+    posts: [{id, prompt (already fitted), summary}]; samples: from `sample_reference`.
+    The sample is cut to the TL;DR's length when longer, so the two sides have the same
+    g(y) and (R5)'s length term cancels: only f learns from these pairs.
+    """
+    pairs = []
+    for post, (sample, _) in zip(posts, samples):
+        prompt, human = encode(tokenizer, post["prompt"], post["summary"],
+                               config.max_summary_tokens)
+        sample = sample[:len(human) - 1]                  # no longer than the TL;DR
+        if not sample or sample == human[:-1]:
+            continue
+        pairs.append({"post_id": post["id"], "prompt": prompt, "kind": "reference",
+                      "chosen": human, "rejected": sample + [tokenizer.eos_token_id],
+                      "chosen_len": len(human) - 1, "rejected_len": len(sample),
+                      "chosen_tokens": len(human) - 1, "rejected_tokens": len(sample)})
+    return pairs
+
+
+def human_references(heldout, tldr_posts):
     """One human-written TL;DR per held-out post: ([(post, summary)], counts by source).
 
     Stiennon et al. shift scores so the dataset's reference summaries average 0. Ours are
@@ -417,11 +609,7 @@ def human_references(heldout, data_dir):
             if c[side + "_policy"] == "ref" and c["post_id"] not in found:
                 found[c["post_id"]] = c[side]
                 sources["comparisons"] += 1
-    try:
-        by_title = {p["title"].strip(): p["summary"] for p in loaders.load_tldr(data_dir)}
-    except loaders.DataError as error:
-        print(f"no TL;DR file for normalisation ({error}); using the comparisons' only")
-        by_title = {}
+    by_title = {p["title"].strip(): p["summary"] for p in tldr_posts}
     for post_id, c in posts.items():
         if post_id not in found and c["title"].strip() in by_title:
             found[post_id] = by_title[c["title"].strip()]
@@ -443,9 +631,12 @@ def train_step(model, optimizer, batch):
     """One AdamW step of (R1) on a list of k pairs. Returns the batch's (loss, accuracy)."""
     k = len(batch)
     owner = torch.arange(k).repeat(2)            # (2k,) rows 0..k-1 chosen, k..2k-1 rejected
-    scores = model.forward_shared([p["prompt"] for p in batch],
-                                  [p["chosen"] for p in batch] + [p["rejected"] for p in batch],
-                                  owner)                                    # (2k,)
+    f = model.forward_shared([p["prompt"] for p in batch],
+                             [p["chosen"] for p in batch] + [p["rejected"] for p in batch],
+                             owner)                                         # (2k,)
+    tokens = [p["chosen_tokens"] for p in batch] + [p["rejected_tokens"] for p in batch]
+    # (R5)  r = f + w g(y), w frozen (a buffer): the gradient reaches f only
+    scores = model.score_part(f, tokens, "full")                            # (2k,)
     r_w, r_l = scores[:k], scores[k:]                                       # (k,), (k,)
     loss = bt_loss(r_w, r_l)
     optimizer.zero_grad()
@@ -486,49 +677,66 @@ def train(model, pairs, config):
 # ------------------------------------------------------------------ evaluation and report
 
 def evaluate(model, pairs, config):
-    """Held-out accuracy, its Wilson interval, the length checks; and the scores."""
+    """Both scores' held-out metrics ({part: pair_metrics}) and the content scores (n,) x 2."""
     n = len(pairs)
-    scores = score_grouped(model, [p["prompt"] for p in pairs] * 2,
-                           [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
-                           config.eval_batch, progress=True)               # (2n,)
-    r_w, r_l = scores[:n], scores[n:]                                       # (n,), (n,)
-    accuracy = pairwise_accuracy(r_w, r_l)
-    low, high = wilson_interval(accuracy, n)
+    f = score_grouped(model, [p["prompt"] for p in pairs] * 2,
+                      [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
+                      config.eval_batch, progress=True)                    # (2n,) content
     len_w = torch.tensor([p["chosen_len"] for p in pairs])                  # (n,) tokens
     len_l = torch.tensor([p["rejected_len"] for p in pairs])                # (n,) tokens
-    shorter = len_w < len_l                                                 # (n,) bool
-    metrics = {
-        "heldout_accuracy": accuracy, "wilson_low": low, "wilson_high": high,
-        "heldout_pairs": n,
-        # "The longer summary wins", in tokens of the full summary; a tie counts one half.
-        "length_baseline_accuracy": pairwise_accuracy(len_w, len_l),
-        "shorter_preferred_accuracy": (pairwise_accuracy(r_w[shorter], r_l[shorter])
-                                       if shorter.any() else float("nan")),
-    }
-    both = torch.stack([torch.cat([r_w, r_l]), torch.cat([len_w, len_l]).float()])  # (2, 2n)
-    extra = {"shorter_preferred_pairs": int(shorter.sum()),
-             "length_ties": int((len_w == len_l).sum()),
-             "score_length_correlation": torch.corrcoef(both)[0, 1].item()}
-    return metrics, extra, r_w, r_l
+    tokens = [p["chosen_tokens"] for p in pairs] + [p["rejected_tokens"] for p in pairs]
+    by_part = {}
+    for part in PARTS:
+        r = model.score_part(f, tokens, part)                               # (2n,)
+        by_part[part] = pair_metrics(r[:n], r[n:], len_w, len_l)
+    return by_part, f[:n], f[n:]
 
 
-def verdict(metrics):
-    """Plain words on chance and on the length baseline."""
-    said = ["above chance (Wilson lower bound > 0.5)" if metrics["wilson_low"] > 0.5 else
-            "NOT distinguishable from chance (Wilson lower bound <= 0.5)"]
+def reference_gap(model, encoded, samples, config):
+    """How far people's TL;DRs score above the reference policy's samples on the same posts.
+
+    encoded: [(prompt ids, human TL;DR ids + EOS)]; samples: `sample_reference` on those
+    prompts. Also the reference samples read the old way, at their last token when they hit
+    the limit without an EOS, to show what departure 8 changes.
+    """
+    eos = model.settings["eos_id"]
+    prompts = [p for p, _ in encoded]
+    human = score_grouped(model, prompts, [h for _, h in encoded], config.eval_batch)
+    sample = score_grouped(model, prompts, [s + [eos] for s, _ in samples], config.eval_batch)
+    old = score_grouped(model, prompts, [s + [eos] if ended else s for s, ended in samples],
+                        config.eval_batch)                                  # (n,) each
+    ended = torch.tensor([e for _, e in samples])                           # (n,) bool
+    out = {"posts": len(encoded), "reference_eos_fraction": ended.double().mean().item()}
+    for part in PARTS:
+        h = model.score_part(human, [len(x) - 1 for _, x in encoded], part)
+        r = model.score_part(sample, [len(x) for x, _ in samples], part)
+        out[part] = {"human_minus_reference_sd": human_minus_reference_sd(h, r),
+                     "human_mean": h.mean().item(), "reference_mean": r.mean().item(),
+                     "reference_sd": r.std().item()}
+    cut = ~ended
+    out["content_reference_cut_at_limit"] = {
+        "samples": int(cut.sum()),
+        "mean_read_at_an_appended_eos": sample[cut].mean().item() if cut.any() else None,
+        "mean_read_at_the_last_token": old[cut].mean().item() if cut.any() else None}
+    out["content_reference_ended"] = {
+        "samples": int(ended.sum()),
+        "mean": sample[ended].mean().item() if ended.any() else None}
+    return out
+
+
+def verdict(metrics, part):
+    """Plain words on chance and on the length baseline, for one score."""
+    low, high = metrics[f"{part}_wilson_low"], metrics[f"{part}_wilson_high"]
+    said = [f"{part}: " + ("above chance (Wilson lower bound > 0.5)" if low > 0.5 else
+                           "NOT distinguishable from chance (Wilson lower bound <= 0.5)")]
     base = metrics["length_baseline_accuracy"]
-    if base < metrics["wilson_low"]:
-        said.append("it beats 'the longer summary wins'")
-    elif base > metrics["wilson_high"]:
-        said.append("it does NOT beat 'the longer summary wins'. That is a finding, not a "
-                    "failure: on this data and budget, length alone predicts people better")
-    else:
-        said.append("it cannot be told apart from 'the longer summary wins' (the baseline "
-                    "lies inside its interval)")
-    if metrics["shorter_preferred_accuracy"] < 0.5:
-        said.append(f"where people preferred the shorter summary it is right only "
-                    f"{metrics['shorter_preferred_accuracy']:.0%} of the time, so it leans "
-                    "on length")
+    said.append("beats 'the longer summary wins'" if base < low else
+                "does NOT beat 'the longer summary wins'" if base > high else
+                "cannot be told apart from 'the longer summary wins'")
+    shorter = metrics[f"{part}_shorter_preferred_accuracy"]
+    if shorter < 0.5:
+        said.append(f"right only {shorter:.0%} of the time where people chose the shorter "
+                    "summary, so it leans on length")
     return "; ".join(said)
 
 
@@ -587,17 +795,30 @@ def main(argv=None):
 
 
 def run(config, staging, start):
-    """Load, split, train, normalise, evaluate, and write everything into `staging`."""
+    """Load, split, sample, train, normalise, evaluate, and write everything into `staging`."""
     device = loaders.pick_device()
     try:
         comparisons = loaders.load_comparisons(config.data_dir or None)
     except loaders.DataError as error:
         raise SystemExit(f"error: {error}\nPass --data-dir a folder holding "
                          "summarize_from_feedback_comparisons/batch*.json") from error
+    try:
+        tldr_posts = loaders.load_tldr(config.data_dir or None)
+    except loaders.DataError as error:
+        print(f"no TL;DR posts ({error}): no reference pairs, normalising on the "
+              "comparisons' human TL;DRs only")
+        tldr_posts = []
     train_c, heldout_c = split_comparisons(comparisons, config.heldout_fraction, config.seed)
     if len(heldout_c) < config.min_heldout_pairs:
         raise SystemExit(f"error: only {len(heldout_c)} comparisons held out, fewer than "
                          f"{config.min_heldout_pairs}; raise --heldout-fraction")
+    # Departure 7: no human TL;DR of one of ppo.py's evaluation posts is trained on.
+    reserved = {tldr_posts[i]["title"].strip()
+                for i in loaders.tldr_order(tldr_posts)[:loaders.EVAL_RESERVE]}
+    kept = [c for c in train_c if not serves_in_evaluation(c, reserved)]
+    print(f"dropped {len(train_c) - len(kept)} training comparisons holding the human TL;DR "
+          "of one of ppo.py's evaluation posts")
+    train_c = kept
     random.Random(config.seed).shuffle(train_c)
 
     settings = {"base_model": config.model, "tiny": config.preset == "tiny",
@@ -605,6 +826,7 @@ def run(config, staging, start):
                 "lora_layers": config.lora_layers,
                 "max_prompt_tokens": config.max_prompt_tokens,
                 "max_summary_tokens": config.max_summary_tokens,
+                "length_feature": "log(1 + tokens)",
                 "resolved_from": "random tiny model" if config.preset == "tiny"
                 else loaders.resolve_model(config.model)[0]}
     model, tokenizer = build_reward_model(settings, device)
@@ -614,55 +836,149 @@ def run(config, staging, start):
           f"adapter on the top {config.lora_layers or len(model.body.layers)} of "
           f"{len(model.body.layers)} layers")
 
-    train_pairs = prepare_pairs(tokenizer, train_c[:config.max_pairs or None], config)
+    human_pairs = prepare_pairs(tokenizer, train_c[:config.max_pairs or None], config)
     heldout_pairs = prepare_pairs(tokenizer, heldout_c[:config.max_heldout_pairs or None],
                                   config)
-    if not train_pairs or not heldout_pairs:
-        raise SystemExit(f"error: {len(train_pairs)} training and {len(heldout_pairs)} "
+    if not human_pairs or not heldout_pairs:
+        raise SystemExit(f"error: {len(human_pairs)} training and {len(heldout_pairs)} "
                          "held-out comparisons; both need at least one")
     print(f"{len(comparisons)} comparisons of {len({c['post_id'] for c in comparisons})} "
-          f"posts: training on {len(train_pairs)}, evaluating on {len(heldout_pairs)} "
+          f"posts: training on {len(human_pairs)}, evaluating on {len(heldout_pairs)} "
           f"from {len({c['post_id'] for c in heldout_c})} posts never trained on")
-    losses, train_accuracy = train(model, train_pairs, config)
 
-    # (R3) the shift that makes the held-out posts' human TL;DRs average 0.
-    references, sources = human_references(heldout_c, config.data_dir or None)
+    # The held-out posts' human TL;DRs: (R3) and the human-minus-reference gap.
+    references, sources = human_references(heldout_c[:config.max_heldout_pairs or None],
+                                           tldr_posts)
     fitted = [(loaders.fit_prompt(tokenizer, post, config.max_prompt_tokens), summary)
               for post, summary in references]                  # cut as training cut them
     encoded = [encode(tokenizer, p, s, config.max_summary_tokens) for p, s in fitted if p]
+    print(f"{len(encoded)} human TL;DRs of held-out posts (found {sources['comparisons']} in "
+          f"the comparisons, {sources['tldr_file']} in the TL;DR file; "
+          f"{len(fitted) - len(encoded)} with too long a title)")
+
+    # The reference policy's own samples: departure 7's pairs, and the gap's other side.
+    t = time.time()
+    extra_posts = []
+    if config.reference_pairs:
+        heldout_titles = {c["title"].strip() for c in heldout_c}
+        extra_posts = [p for i, p in enumerate(tldr_posts)
+                       if p["title"].strip() not in reserved | heldout_titles]
+        random.Random(config.seed).shuffle(extra_posts)
+        extra_posts = [{**p, "prompt": prompt} for p in extra_posts
+                       if (prompt := loaders.fit_prompt(tokenizer, p, config.max_prompt_tokens))]
+        extra_posts = extra_posts[:config.reference_pairs]
+    lm, _ = loaders.load_policy_and_tokenizer(config.model, device=device,   # ppo's reference
+                                              preset="tiny" if settings["tiny"] else None)
+    extra_samples = sample_reference(lm, tokenizer, [tokenizer(p["prompt"]).input_ids
+                                                     for p in extra_posts],
+                                     config.sample_batch, config.seed, "sampling (training)")
+    gap_samples = sample_reference(lm, tokenizer, [p for p, _ in encoded], config.sample_batch,
+                                   config.seed + 1, "sampling (held-out)")
+    del lm
+    extra_pairs = reference_pairs(tokenizer, extra_posts, extra_samples, config)
+    sampling_seconds = time.time() - t
+    print(f"sampled the reference policy on {len(extra_posts) + len(encoded)} posts in "
+          f"{sampling_seconds:.0f} s: {len(extra_pairs)} reference pairs for training "
+          f"(departure 7), {len(encoded)} samples for the held-out gap")
+
+    # (R6) w from people's choices and length alone, frozen before the network trains.
+    dg = (length_feature([p["chosen_tokens"] for p in human_pairs])
+          - length_feature([p["rejected_tokens"] for p in human_pairs]))   # (N,)
+    model.length_weight.fill_(fit_length_weight(dg))
+    print(f"length weight w = {model.length_weight.item():.3f} (R6: log(1 + tokens), fitted "
+          f"on {len(human_pairs)} human comparisons, then frozen)")
+    train_pairs = human_pairs + extra_pairs
+    random.Random(config.seed).shuffle(train_pairs)
+    losses, train_accuracy = train(model, train_pairs, config)
+
+    # (R3) the shift that makes the held-out posts' human TL;DRs average 0 (content score).
     if encoded:
-        print(f"normalising on {len(encoded)} human TL;DRs of held-out posts (found "
-              f"{sources['comparisons']} in the comparisons, {sources['tldr_file']} in the "
-              f"TL;DR file; {len(fitted) - len(encoded)} with too long a title)")
+        raw = score_grouped(model, *zip(*encoded), batch_rows=config.eval_batch)
     else:
         print("WARNING: no human TL;DR of any held-out post; normalising on the preferred "
               "held-out summaries, so 0 means 'a typical preferred summary' instead")
-        encoded = [(p["prompt"], p["chosen"]) for p in heldout_pairs]
-        sources = {"heldout_chosen": len(encoded)}
-    raw = score_grouped(model, *zip(*encoded), batch_rows=config.eval_batch)
+        sources = {"heldout_chosen": len(heldout_pairs)}
+        raw = score_grouped(model, [p["prompt"] for p in heldout_pairs],
+                            [p["chosen"] for p in heldout_pairs], config.eval_batch)
     model.bias.fill_(-raw.mean().item())
 
-    metrics, extra, r_w, r_l = evaluate(model, heldout_pairs, config)
-    metrics["train_pairs"] = len(train_pairs)
+    by_part, f_w, f_l = evaluate(model, heldout_pairs, config)
+    gap = reference_gap(model, encoded, gap_samples, config) if encoded else None
+    metrics, extra = collect_metrics(by_part, heldout_pairs, gap, model)
+    metrics.update(train_pairs=len(train_pairs), reference_pairs=len(extra_pairs))
     extra.update(preset=config.preset, normalisation_bias=model.bias.item(),
                  normalisation_sources=sources, train_accuracy=train_accuracy,
-                 # the first held-out pair's normalised scores, for the round-trip test
+                 human_train_pairs=len(human_pairs), sampling_seconds=sampling_seconds,
+                 # the first held-out pair's content scores, for the round-trip test
                  probe={"post_id": heldout_pairs[0]["post_id"],
-                        "scores": [r_w[0].item(), r_l[0].item()]})
+                        "scores": [f_w[0].item(), f_l[0].item()]})
     save_reward_model(model, staging)
-    plot(losses, r_w - r_l, staging)
+    plot(losses, f_w - f_l, staging)
     metrics["seconds"] = time.time() - start
     (staging / "metrics.json").write_text(json.dumps({**metrics, "extra": extra}, indent=2))
-    print(f"\nheld-out accuracy  {metrics['heldout_accuracy']:.3f}   Wilson 95% "
-          f"{metrics['wilson_low']:.3f} to {metrics['wilson_high']:.3f}, "
-          f"{metrics['heldout_pairs']} pairs\n"
-          f"length baseline    {metrics['length_baseline_accuracy']:.3f}   the longer "
-          f"summary (tokens) wins; {extra['length_ties']} ties count one half\n"
-          f"shorter preferred  {metrics['shorter_preferred_accuracy']:.3f}   the model, on "
-          f"the {extra['shorter_preferred_pairs']} pairs where people chose the shorter one\n"
-          f"trained on {metrics['train_pairs']} pairs; {metrics['seconds']:.0f} s in all\n"
-          f"verdict: {verdict(metrics)}")
+    print_summary(metrics, extra)
     return metrics
+
+
+def collect_metrics(by_part, pairs, gap, model):
+    """metrics.json's top level (the default score's keys, then each part's) and `extra`."""
+    default, nan = by_part[DEFAULT_PART], float("nan")
+    len_w = torch.tensor([p["chosen_len"] for p in pairs])                  # (n,) tokens
+    len_l = torch.tensor([p["rejected_len"] for p in pairs])                # (n,) tokens
+    metrics = {key: default[key] for key in ("heldout_accuracy", "wilson_low", "wilson_high",
+                                             "shorter_preferred_accuracy")}
+    metrics.update(heldout_pairs=len(pairs), default_part=DEFAULT_PART,
+                   length_weight=model.length_weight.item(),
+                   # "The longer summary wins", in tokens of the full summary; ties count 1/2.
+                   length_baseline_accuracy=pairwise_accuracy(len_w, len_l),
+                   length_matched_accuracy=default["accuracy_by_length_difference"]["0-3"][
+                       "accuracy"])
+    extra = {"shorter_preferred_pairs": int((len_w < len_l).sum()),
+             "length_ties": int((len_w == len_l).sum()),
+             "score_length_correlation": default["score_length_correlation"],
+             "reference_gap": gap}
+    for part in PARTS:
+        for key in ("heldout_accuracy", "wilson_low", "wilson_high",
+                    "shorter_preferred_accuracy", "score_length_correlation"):
+            metrics[f"{part}_{key}"] = by_part[part][key]
+        metrics[f"{part}_human_minus_reference_sd"] = (gap[part]["human_minus_reference_sd"]
+                                                      if gap else nan)
+        extra[f"{part}_accuracy_by_length_difference"] = by_part[part][
+            "accuracy_by_length_difference"]
+    return metrics, extra
+
+
+def print_summary(metrics, extra):
+    """The final report: both scores side by side, then the length bins and the gap."""
+    print(f"\n{metrics['heldout_pairs']} held-out pairs; the longer summary wins "
+          f"{metrics['length_baseline_accuracy']:.3f} of them ({extra['length_ties']} ties "
+          f"count one half); length weight w = {metrics['length_weight']:.3f}")
+    print(f"{'':34}{'content':>22}{'full':>22}")
+    rows = [("held-out accuracy [Wilson 95%]", lambda p: f"{metrics[p + '_heldout_accuracy']:.3f} "
+             f"[{metrics[p + '_wilson_low']:.3f}, {metrics[p + '_wilson_high']:.3f}]"),
+            (f"shorter preferred ({extra['shorter_preferred_pairs']} pairs)",
+             lambda p: f"{metrics[p + '_shorter_preferred_accuracy']:.3f}"),
+            ("corr(score, length)", lambda p: f"{metrics[p + '_score_length_correlation']:+.3f}"),
+            ("human - reference (reference SDs)",
+             lambda p: f"{metrics[p + '_human_minus_reference_sd']:+.2f}")]
+    for name, bins in (("0-3", "|dlen| <= 3"), ("4-10", "|dlen| 4-10"), (">10", "|dlen| > 10")):
+        rows.append((f"{bins} ({extra['content_accuracy_by_length_difference'][name]['pairs']}"
+                     " pairs)", lambda p, name=name: "{accuracy:.3f} [{0:.2f}, {1:.2f}]".format(
+                         *extra[p + "_accuracy_by_length_difference"][name]["wilson"],
+                         **extra[p + "_accuracy_by_length_difference"][name])))
+    for name, cell in rows:
+        print(f"{name:34}" + "".join(f"{cell(p):>22}" for p in PARTS))
+    gap = extra["reference_gap"]
+    if gap and gap["content_reference_cut_at_limit"]["samples"]:
+        cut = gap["content_reference_cut_at_limit"]
+        print(f"reference samples on {gap['posts']} held-out posts: {gap['reference_eos_fraction']:.0%}"
+              f" end in an EOS; content score of those cut at the limit "
+              f"{cut['mean_read_at_an_appended_eos']:+.2f} read at an appended EOS (as PPO now "
+              f"does), {cut['mean_read_at_the_last_token']:+.2f} at their last token (before)")
+    print(f"trained on {metrics['train_pairs']} pairs ({metrics['reference_pairs']} of them "
+          f"reference pairs); {metrics['seconds']:.0f} s in all")
+    for part in PARTS:
+        print(f"verdict, {verdict(metrics, part)}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@
 - The post's two failure modes (decode-then-encode, summed ratios) trip the check.
 - Tokens after EOS change nothing: not the loss, not the KL, not the advantages.
 - The clip's asymmetry (the concept lesson's rho = 1.5 example).
+- --reward picks the reward model's score, and `score` passes it through.
+- The held-out statistics (evaluate.py) on known answers: the EOS flag, copied bigrams,
+  standard errors and the paired gain over the reference, and the table that prints them.
 - A tiny run end to end through a subprocess, and resume == uninterrupted.
 """
 
@@ -17,7 +20,9 @@ import sys
 import pytest
 import torch
 
+import evaluate
 import ppo
+import reward_model as rm
 from gae import advantages_and_returns, response_mask, shaped_rewards, whiten
 from lora import with_lora
 
@@ -246,6 +251,93 @@ def test_micro_batches_add_up_to_the_full_batch_loss():
         assert halves[0][k] + halves[1][k] == pytest.approx(full[k].item(), abs=1e-6)
 
 
+def test_reward_flag_picks_a_part_and_defaults_to_content():
+    assert rm.DEFAULT_PART == "content" and set(rm.PARTS) == {"content", "full"}
+    assert ppo.parse_args(["--preset", "tiny"]).reward == "content"
+    assert ppo.parse_args(["--preset", "tiny", "--reward", "full"]).reward == "full"
+    with pytest.raises(SystemExit):
+        ppo.parse_args(["--preset", "tiny", "--reward", "length"])
+
+
+def test_score_passes_the_part_to_the_reward_model(tokenizer, monkeypatch):
+    prompt_ids, prompt_mask, actions = fake_batch(tokenizer)
+    mask = response_mask(actions, EOS)
+    parts = []
+
+    def score_ids(model, p_ids, p_mask, r_ids, r_mask, part):
+        parts.append(part)
+        return torch.full((len(r_ids),), 1.0 if part == "full" else -1.0)
+
+    monkeypatch.setattr(rm, "score_ids", score_ids)
+    assert ppo.score(None, prompt_ids, prompt_mask, actions, mask).tolist() == [-1.0] * 3
+    full = ppo.score(None, prompt_ids, prompt_mask, actions, mask, part="full")
+    assert full.tolist() == [1.0] * 3
+    assert parts == ["content", "full"]
+
+
+def test_ended_with_eos():
+    actions = torch.tensor([[5, 2, 2, 2], [5, 6, 7, 8], [2, 9, 9, 9]])     # (B, T)
+    mask = response_mask(actions, EOS)
+    assert evaluate.ended_with_eos(actions, mask, EOS).tolist() == [True, False, True]
+    # An EOS outside the mask does not count.
+    assert not evaluate.ended_with_eos(torch.tensor([[5, 6, 2]]), torch.tensor([[1, 1, 0]]),
+                                       EOS).item()
+
+
+def test_copied_bigrams():
+    prompt = [1, 2, 3, 4]                                   # bigrams (1,2) (2,3) (3,4)
+    # (2,3) (3,9) (9,2) (2,3): the two (2,3) are in the prompt, counted with repeats
+    assert evaluate.copied_bigrams([2, 3, 9, 2, 3], prompt) == 0.5
+    assert evaluate.copied_bigrams([1, 2, 3, 4], prompt) == 1.0
+    assert evaluate.copied_bigrams([4, 3, 2, 1], prompt) == 0.0   # order matters
+    assert evaluate.copied_bigrams([2], prompt) == evaluate.copied_bigrams([], prompt) == 0.0
+
+
+def test_standard_error_and_paired_gain():
+    assert evaluate.standard_error([1.0, 2.0, 3.0]) == pytest.approx(1 / 3 ** 0.5)   # s = 1
+    assert evaluate.standard_error([4.0]) != evaluate.standard_error([4.0])          # NaN
+    gain, se = evaluate.paired_gain([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])   # d = 1, 2, 3
+    assert gain == pytest.approx(2.0) and se == pytest.approx(1 / 3 ** 0.5)
+    # Pairing: the posts' own spread (here +-10) cancels; unpaired, the SE would be ~6.
+    ref = [10.0, -10.0, 0.0]
+    gain, se = evaluate.paired_gain([r + d for r, d in zip(ref, [1, 2, 3])], ref)
+    assert gain == pytest.approx(2.0) and se == pytest.approx(1 / 3 ** 0.5)
+    with pytest.raises(ValueError, match="one reference reward per policy reward"):
+        evaluate.paired_gain([1.0, 2.0], [1.0])
+
+
+def test_summarize_and_per_post_rows():
+    samples = [{"reward": 1.0, "fluency": -2.0, "kl": 0.5, "length": 3, "ids": [7, 8, 2],
+                "eos": True, "copied_bigrams": 0.5, "text": "a"},
+               {"reward": 3.0, "fluency": -4.0, "kl": 1.5, "length": 4, "ids": [7, 8, 9, 9],
+                "eos": False, "copied_bigrams": 0.0, "text": "b"}]
+    got = evaluate.summarize(samples)
+    assert got["reward"] == 2.0 and got["reward_se"] == pytest.approx(1.0)  # s = sqrt(2)
+    assert got["eos_fraction"] == 0.5 and got["copied_bigrams"] == 0.25
+    assert got["distinct_2"] == pytest.approx(4 / 5)                          # (7,8) twice
+    ref = [{"reward": 0.5}, {"reward": 0.25}]
+    rows = evaluate.per_post(samples, ("length", "eos", "text"), ref)
+    assert rows == [{"post": 0, "reward": 1.0, "ref_reward": 0.5, "length": 3, "eos": True,
+                     "text": "a"},
+                    {"post": 1, "reward": 3.0, "ref_reward": 0.25, "length": 4, "eos": False,
+                     "text": "b"}]
+
+
+def test_the_table_prints_the_standard_error_and_the_gain(capsys):
+    import report
+    row = {"reward": 0.24, "reward_se": 0.18, "fluency": -41.5, "kl": 1.25, "length": 30.0,
+           "eos_fraction": 0.75, "copied_bigrams": 0.5, "distinct_2": 0.8,
+           "gain_over_ref": 0.32, "gain_over_ref_se": 0.23, "samples": [{}] * 32}
+    report.print_row("0.1", row)
+    report.print_row("human", {"reward": 1.5, "reward_se": 0.1})
+    report.print_gain(row)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["0.1", "0.24", "±", "0.18", "-41.5", "1.25", "30.0", "0.75",
+                                "0.50", "0.800"]
+    assert lines[1].split() == ["human", "1.50", "±", "0.10"]
+    assert lines[2] == "gain over (ref): +0.32 ± 0.23 (1.4 SE, paired over 32 posts)"
+
+
 def run(*args, timeout=300):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True,
                           timeout=timeout, check=True).stdout
@@ -258,13 +350,44 @@ def tiny_reward_model(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("part", ["content", "full"])
+def test_score_is_the_reward_models_score_of_that_part(tiny_reward_model, tokenizer, part):
+    """Exactly, with the rows in their own order (`micro_batches` sorts them by padding,
+    which moves the last bit, ~2e-7 here); that `score` passes `part` at all is checked
+    by the test above (the tiny reward model's two parts may well agree)."""
+    model = rm.load_reward_model(tiny_reward_model)
+    prompt_ids, prompt_mask, actions = fake_batch(tokenizer)
+    mask = response_mask(actions, EOS)
+    expected = rm.score_ids(model, prompt_ids, prompt_mask, actions, mask, part=part).float()
+    in_order = [(torch.arange(len(actions)), 0)]                 # one group, nothing cut
+    got = ppo.score(model, prompt_ids, prompt_mask, actions, mask, groups=in_order, part=part)
+    assert torch.equal(got, expected)
+    sorted_rows = ppo.score(model, prompt_ids, prompt_mask, actions, mask, part=part)
+    assert torch.allclose(sorted_rows, expected, atol=1e-6)
+
+
 def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
     common = ["ppo.py", "--preset", "tiny", "--reward-model", str(tiny_reward_model),
               "--beta", "0.1", "--checkpoint-every", "2"]
     out = run(*common, "--iterations", "4", "--out", str(tmp_path / "straight"))
-    assert "ratio" in out and "human" in out
+    assert "ratio" in out and "human" in out and "reward=content" in out
+    assert "gain over (ref): " in out and "paired over 4 posts" in out
     straight = json.loads((tmp_path / "straight" / "results.json").read_text())
     assert set(straight) == {"config", "iterations", "final"}
+    assert straight["config"]["reward"] == "content"
+    final = straight["final"]
+    assert {"reward_se", "eos_fraction", "copied_bigrams", "gain_over_ref",
+            "gain_over_ref_se", "samples", "ref_samples", "human_samples"} <= set(final)
+    assert {"reward_se", "eos_fraction", "copied_bigrams"} <= set(final["ref"])
+    assert "reward_se" in final["human"]
+    assert [s["post"] for s in final["samples"]] == [0, 1, 2, 3]      # eval_prompts 4
+    assert set(final["samples"][0]) == {"post", "reward", "ref_reward", "length", "eos",
+                                        "copied_bigrams", "kl", "text"}
+    assert [s["ref_reward"] for s in final["samples"]] == \
+        [s["reward"] for s in final["ref_samples"]]
+    assert final["gain_over_ref"] == pytest.approx(
+        final["reward"] - final["ref"]["reward"], abs=1e-6)           # paired mean = difference
+    assert len(final["human_samples"]) == 4
     keys = {"iteration", "reward", "kl", "response_length", "entropy", "clipfrac", "approx_kl",
             "value_loss", "ratio_min", "ratio_max", "beta", "seconds"}
     assert len(straight["iterations"]) == 4
@@ -292,5 +415,9 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert sorted((r["beta"], r["seed"]) for r in sweep["runs"]) == \
         [(0.0, 0), (0.0, 1), (0.5, 0), (0.5, 1)]
+    for r in sweep["runs"]:                              # per-post rows stay in run_dir
+        assert {"reward_se", "gain_over_ref", "gain_over_ref_se", "eos_fraction",
+                "copied_bigrams"} <= set(r) and "samples" not in r
+    assert "reward_se" in sweep["baseline"]["human"]
     assert (tmp_path / "sweep.png").exists()
     assert (tmp_path / "beta0.5_seed1" / "results.json").exists()

@@ -4,8 +4,8 @@ Run:  python -m pytest -q tests/test_reward_model.py     (~1 min on 2 CPU cores)
 
 Everything runs offline on the tiny model (SmolLM2's tokenizer, two random layers of
 width 64), except one padding check on the real SmolLM2-135M, skipped when it is absent.
-The only arithmetic written out here is the oracles: log(1 + e^-1) for (R1) and a
-textbook Wilson interval for (R4).
+The only arithmetic written out here is the oracles: log(1 + e^-1) for (R1), a textbook
+Wilson interval for (R4), log(1 + tokens) for (R5), and small hand-counted metrics.
 """
 import json
 import math
@@ -29,7 +29,11 @@ import reward_model as rm  # noqa: E402
 
 METRIC_KEYS = {"heldout_accuracy", "wilson_low", "wilson_high", "heldout_pairs",
                "length_baseline_accuracy", "shorter_preferred_accuracy", "train_pairs",
-               "seconds"}
+               "seconds", "default_part", "length_weight", "length_matched_accuracy",
+               "reference_pairs"} | {
+    f"{part}_{key}" for part in ("content", "full")
+    for key in ("heldout_accuracy", "wilson_low", "wilson_high", "shorter_preferred_accuracy",
+                "score_length_correlation", "human_minus_reference_sd")}
 
 
 def tiny_settings(seed=0):
@@ -74,6 +78,125 @@ def test_wilson_interval_matches_the_textbook_value():
     assert (low, high) == pytest.approx((0.40383, 0.59617), abs=1e-5)
     low, high = rm.wilson_interval(1.0, 10)           # 10 of 10: low = n / (n + z^2), not 1
     assert low == pytest.approx(10 / (10 + 1.96 ** 2), abs=1e-9) and high == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------ (R5) and (R6)
+
+def test_length_weight_is_recovered_from_synthetic_pairs_with_f_at_zero():
+    """(R6): choices drawn from sigmoid(w g_w - w g_l) with f = 0 give back w."""
+    g = torch.Generator().manual_seed(0)
+    for w in (0.0, 0.8, 2.0, -1.5):
+        a, b = torch.randint(1, 60, (2, 40000), generator=g)               # token counts
+        dg = rm.length_feature(a) - rm.length_feature(b)                    # (N,)
+        first_wins = torch.rand(40000, generator=g, dtype=torch.float64) < torch.sigmoid(w * dg)
+        fitted = rm.fit_length_weight(torch.where(first_wins, dg, -dg))     # winner minus loser
+        assert fitted == pytest.approx(w, abs=0.06), (w, fitted)
+    assert rm.fit_length_weight(torch.zeros(10)) == 0.0   # no length difference: no weight
+    assert rm.length_feature([0, 1, 47]).tolist() == pytest.approx(
+        [0.0, math.log(2), math.log(48)])
+
+
+def response_batch(tokenizer):
+    """Two left-padded prompts; one response ends in EOS, the other runs to the limit."""
+    prompts = ["SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: short.\n\nTL;DR:",
+               "SUBREDDIT: r/b\n\nTITLE: a longer title\n\nPOST: one. two.\n\nTL;DR:"]
+    prompt_ids, prompt_mask = rm.pad([tokenizer(p).input_ids for p in prompts], 2, "left",
+                                     "cpu")                                  # (2, P)
+    response_ids = torch.tensor([[500, 600, 2, 2, 2], [700, 800, 900, 1000, 1100]])  # (2, 5)
+    response_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])         # up to the EOS
+    return prompt_ids, prompt_mask, response_ids, response_mask
+
+
+def test_content_and_full_differ_by_exactly_w_g():
+    model, tokenizer = tiny_model()
+    with torch.no_grad():
+        model.length_weight.fill_(0.7)
+    batch = response_batch(tokenizer)
+    content = rm.score_ids(model, *batch, part="content")
+    full = rm.score_ids(model, *batch, part="full")
+    tokens = torch.tensor([2, 5])                 # the EOS is not a summary token
+    assert torch.equal(full, content + 0.7 * torch.log1p(tokens.double()).float())
+    assert (full - content).tolist() == pytest.approx([0.7 * math.log(3), 0.7 * math.log(6)],
+                                                      abs=1e-6)
+    assert torch.equal(rm.score_ids(model, *batch), content)       # content is the default
+    with pytest.raises(ValueError, match="part must be one of"):
+        rm.score_ids(model, *batch, part="length")
+
+
+def test_a_response_cut_at_the_limit_is_scored_at_an_appended_eos():
+    """Departure 8: [prompt][y_1..y_T] scores as [prompt][y_1..y_T, EOS], like training."""
+    model, tokenizer = tiny_model()
+    prompt_ids, prompt_mask, response_ids, response_mask = response_batch(tokenizer)
+    got = rm.score_ids(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    with torch.no_grad():
+        for i, response in enumerate(([500, 600, 2], [700, 800, 900, 1000, 1100, 2])):
+            prompt = prompt_ids[i][prompt_mask[i].bool()].tolist()
+            ids = torch.tensor([prompt + response])
+            assert got[i].item() == pytest.approx(model(ids, torch.ones_like(ids)).item(),
+                                                  abs=1e-5)
+        cut = torch.tensor([prompt + [700, 800, 900, 1000, 1100]])   # the old reading point
+        assert abs(got[1].item() - model(cut, torch.ones_like(cut)).item()) > 1e-4
+    ids, mask, tokens = rm.with_eos(response_ids, response_mask, 2)
+    assert ids[:, -1].tolist() == [2, 2] and mask[:, -1].tolist() == [0, 1]
+    assert tokens.tolist() == [2, 5]
+
+
+def test_pair_metrics_on_hand_counted_pairs():
+    r_w = torch.tensor([1.0, 2.0, 0.0, 5.0, 1.0])
+    r_l = torch.tensor([0.0, 3.0, 0.0, 4.0, 2.0])        # right, wrong, tie, right, wrong
+    len_w = torch.tensor([10, 5, 20, 30, 8])
+    len_l = torch.tensor([12, 20, 20, 10, 8])             # |dlen| 2, 15, 0, 20, 0
+    m = rm.pair_metrics(r_w, r_l, len_w, len_l)
+    assert m["heldout_accuracy"] == pytest.approx(2.5 / 5)
+    assert (m["wilson_low"], m["wilson_high"]) == pytest.approx(rm.wilson_interval(0.5, 5))
+    assert m["shorter_preferred_accuracy"] == pytest.approx(0.5)    # pairs 1 and 2: 1 of 2
+    bins = m["accuracy_by_length_difference"]
+    assert [bins[b]["pairs"] for b in ("0-3", "4-10", ">10")] == [3, 0, 2]
+    assert bins["0-3"]["accuracy"] == pytest.approx(1.5 / 3)        # right, tie, wrong
+    assert bins[">10"]["accuracy"] == pytest.approx(0.5)
+    scores, lengths = torch.cat([r_w, r_l]), torch.cat([len_w, len_l]).double()
+    want = torch.corrcoef(torch.stack([scores.double(), lengths]))[0, 1].item()
+    assert m["score_length_correlation"] == pytest.approx(want)
+    perfect = rm.pair_metrics(len_w.float(), len_l.float(), len_w, len_l)
+    assert perfect["score_length_correlation"] == pytest.approx(1.0)
+
+
+def test_human_minus_reference_sd_on_known_numbers():
+    # reference 1, 2, 3: mean 2, sample SD 1; human mean 4 -> 2 SDs above
+    assert rm.human_minus_reference_sd([3.0, 5.0], [1.0, 2.0, 3.0]) == pytest.approx(2.0)
+    assert rm.human_minus_reference_sd([0.0], [1.0, 3.0]) == pytest.approx(-2 / math.sqrt(2))
+
+
+def test_reference_pairs_carry_no_length_difference_and_skip_evaluation_posts():
+    tokenizer = loaders.load_tokenizer()
+    config = rm.Config(**rm.PRESETS["tiny"])
+    post = {"id": "p", "prompt": "SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: x.\n\nTL;DR:",
+            "summary": "my cat ate my homework"}
+    human = tokenizer(" my cat ate my homework").input_ids
+    samples = [(list(range(1000, 1030)), False), ([1000, 1001], True), ([], True)]
+    pairs = rm.reference_pairs(tokenizer, [post] * 3, samples, config)
+    assert len(pairs) == 2                                    # the empty sample is skipped
+    long, short = pairs
+    assert long["chosen"] == human + [2] and long["rejected"] == list(range(1000, 1000 +
+                                                                           len(human))) + [2]
+    assert long["chosen_tokens"] == long["rejected_tokens"] == len(human)   # dg = 0
+    assert short["rejected"] == [1000, 1001, 2] and short["rejected_tokens"] == 2
+    c = {"title": " t ", "chosen_policy": "ref", "rejected_policy": "sup4"}
+    assert rm.serves_in_evaluation(c, {"t"})
+    assert not rm.serves_in_evaluation({**c, "chosen_policy": "sup2"}, {"t"})
+    assert not rm.serves_in_evaluation(c, {"another title"})
+
+
+def test_training_moves_f_but_never_w(comparisons):
+    model, tokenizer = tiny_model()
+    with torch.no_grad():
+        model.length_weight.fill_(1.3)
+    config = rm.Config(**{**rm.PRESETS["tiny"], "lr": 1e-2, "head_lr": 1e-2})
+    pairs = rm.prepare_pairs(tokenizer, comparisons[:4], config)
+    head = model.head.weight.detach().clone()
+    rm.train_step(model, rm.make_optimizer(model, config), pairs)
+    assert model.length_weight.item() == pytest.approx(1.3)
+    assert not torch.equal(head, model.head.weight)
 
 
 # ------------------------------------------------------------------ the score itself
@@ -188,6 +311,7 @@ def test_save_and_load_give_identical_scores(tmp_path):
     model, tokenizer = tiny_model()
     with torch.no_grad():
         model.bias.fill_(0.37)
+        model.length_weight.fill_(1.9)
     rm.save_reward_model(model, tmp_path)
     loaded = rm.load_reward_model(tmp_path)
     ids = torch.randint(3, 40000, (3, 12))
@@ -196,6 +320,7 @@ def test_save_and_load_give_identical_scores(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(ids, mask), loaded(ids, mask))
     assert loaded.bias.item() == pytest.approx(0.37)
+    assert loaded.length_weight.item() == pytest.approx(1.9)
     assert not any(p.requires_grad for p in loaded.parameters())
 
 
@@ -231,7 +356,15 @@ def test_tiny_preset_runs_end_to_end_in_under_a_minute(tmp_path, comparisons):
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics) - {"extra"} == METRIC_KEYS
     assert metrics["wilson_low"] <= metrics["heldout_accuracy"] <= metrics["wilson_high"]
-    assert metrics["train_pairs"] == 16 and 0 < metrics["heldout_pairs"] <= 32
+    assert metrics["train_pairs"] == 16 + metrics["reference_pairs"]
+    assert 0 < metrics["reference_pairs"] <= 4 and 0 < metrics["heldout_pairs"] <= 32
+    assert metrics["default_part"] == "content"
+    gap = metrics["extra"]["reference_gap"]
+    for part in ("content", "full"):
+        assert metrics[f"{part}_human_minus_reference_sd"] == pytest.approx(
+            (gap[part]["human_mean"] - gap[part]["reference_mean"]) / gap[part]["reference_sd"])
+    # (R3) puts the held-out human TL;DRs' mean content score at 0
+    assert gap["content"]["human_mean"] == pytest.approx(0.0, abs=1e-5)
     for name in ("loss.png", "margins.png", "config.json", "adapter.safetensors",
                  "head.safetensors", "base.safetensors"):
         assert (out / name).is_file(), name
@@ -244,5 +377,5 @@ def test_tiny_preset_runs_end_to_end_in_under_a_minute(tmp_path, comparisons):
     assert first["post_id"] == probe["post_id"]
     tokenizer = loaders.load_tokenizer()
     scores = rm.score_texts(model, tokenizer, [first["prompt"]] * 2,
-                            [first["chosen"], first["rejected"]])
+                            [first["chosen"], first["rejected"]], part="content")
     assert scores.tolist() == pytest.approx(probe["scores"], abs=1e-5)

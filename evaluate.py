@@ -1,0 +1,99 @@
+"""The held-out evaluation's statistics: small pure functions on the samples of `ppo.rollouts`.
+
+The post reports one number per run, the mean reward on held-out posts. With 32 or 64
+posts that mean has a standard error of the same size as the gains between settings,
+so each run also reports:
+
+    reward_se        s / sqrt(n),  s^2 = 1/(n-1) sum_i (r_i - mean r)^2   (the sample SD)
+    gain_over_ref    mean_i d_i,  d_i = r_policy,i - r_ref,i, on the same post i
+    gain_over_ref_se sd(d) / sqrt(n): a paired comparison, so the variation from post to
+                     post (some posts are easy to summarise) cancels
+    eos_fraction     the share of samples that ended with an EOS rather than running
+                     into the MAX_NEW_TOKENS limit (a reward that pays for length
+                     shows up here first)
+    copied_bigrams   the share of a summary's token bigrams that occur in its post:
+                     how much of it is copied rather than written
+    distinct_2       distinct bigrams over all bigrams of the samples (diversity)
+
+Nothing here runs a model: `ppo.rollouts` samples and scores, these functions count.
+The sampling stays in ppo.py because it needs `generate`, `score` and `fluency`.
+
+Used by: ppo.py.  Test: pytest tests/test_ppo.py -k "eos or bigram or gain or summarize"
+"""
+
+import math
+
+import torch
+
+
+def ended_with_eos(actions, mask, eos_id):
+    """(B,) bool: the response holds an EOS among its real tokens (mask 1), i.e. it
+    ended rather than being cut at the length limit.
+
+    in: actions (B, T) sampled ids, mask (B, T) 1 up to and including the first EOS.
+    """
+    return ((actions == eos_id) & mask.bool()).any(-1)              # (B,)
+
+
+def copied_bigrams(summary_ids, prompt_ids):
+    """Fraction of the summary's token-id bigrams (counted with repeats) that also occur
+    as a bigram in the prompt; 0.0 for a summary of fewer than 2 tokens.
+
+    Both are lists of ids with no padding. ppo.rollouts passes the summary without its
+    final EOS, so that a summary which ends is not counted as less copied.
+    """
+    pairs = list(zip(summary_ids, summary_ids[1:]))
+    if not pairs:
+        return 0.0
+    in_prompt = set(zip(prompt_ids, prompt_ids[1:]))
+    return sum(pair in in_prompt for pair in pairs) / len(pairs)
+
+
+def standard_error(values):
+    """s / sqrt(n) with the sample SD s (n - 1 in its denominator); NaN for n < 2."""
+    n = len(values)
+    if n < 2:
+        return math.nan
+    return torch.tensor(values, dtype=torch.float64).std(correction=1).item() / math.sqrt(n)
+
+
+def paired_gain(policy_rewards, ref_rewards):
+    """(mean of d_i, its standard error), d_i = policy_rewards[i] - ref_rewards[i].
+
+    Both lists are in the order of the held-out posts, so d_i compares two summaries of
+    the same post and the post-to-post variation cancels (a paired difference).
+    """
+    if len(policy_rewards) != len(ref_rewards):
+        raise ValueError(f"paired_gain needs one reference reward per policy reward, got "
+                         f"{len(policy_rewards)} and {len(ref_rewards)}")
+    diffs = [p - r for p, r in zip(policy_rewards, ref_rewards)]
+    return sum(diffs) / len(diffs), standard_error(diffs)
+
+
+def distinct_2(samples):
+    """Distinct bigrams over all bigrams of token ids (diversity; 1.0 = no repeats)."""
+    bigrams = [tuple(s["ids"][i:i + 2]) for s in samples for i in range(len(s["ids"]) - 1)]
+    return len(set(bigrams)) / max(len(bigrams), 1)
+
+
+def summarize(samples):
+    """One run's held-out numbers: means over the samples, reward_se and distinct-2."""
+    mean = lambda key: sum(s[key] for s in samples) / len(samples)  # noqa: E731
+    return {"reward": mean("reward"), "reward_se": standard_error([s["reward"] for s in samples]),
+            "fluency": mean("fluency"), "kl": mean("kl"), "length": mean("length"),
+            "eos_fraction": mean("eos"), "copied_bigrams": mean("copied_bigrams"),
+            "distinct_2": distinct_2(samples)}
+
+
+def per_post(samples, keys, ref_samples=None):
+    """results.json's per-sample rows, [{"post": i, "reward", ("ref_reward",) *keys}], i the
+    post's index in the held-out list and ref_reward the reference's reward on that post."""
+    if ref_samples is not None and len(ref_samples) != len(samples):
+        raise ValueError(f"{len(samples)} samples but {len(ref_samples)} reference samples")
+    rows = []
+    for i, s in enumerate(samples):
+        row = {"post": i, "reward": s["reward"]}
+        if ref_samples is not None:
+            row["ref_reward"] = ref_samples[i]["reward"]
+        rows.append({**row, **{k: s[k] for k in keys}})
+    return rows
