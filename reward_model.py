@@ -22,8 +22,9 @@ Length is a separate, explicit term (R5), as in the length-controlled win rate o
 (Dubois et al. 2024, arXiv:2404.04475: a regression with a length covariate) and in ODIN
 (Chen et al. 2024, arXiv:2402.07319: a length head apart from a quality head). The simplest
 form that worked: one scalar w times a fixed g, fitted by (R6) before the network trains and
-then frozen. Learned jointly, the adapter soaked up length faster than w did (content
-accuracy where people chose the shorter summary: 0.29; frozen: 0.50). The saved model gives
+then frozen. In the probes filed with issue 9 (seed 0, cpu preset), w learned jointly
+lost the race to the adapter, which soaked up length itself (content accuracy where people
+chose the shorter summary: 0.29); fitted first and frozen, 0.50. The saved model gives
     content = f_hat                 what the text is worth at a given length (PPO's default)
     full    = f_hat + w g(y)        what people's choices predict, length included
     length_weight = w
