@@ -66,7 +66,7 @@ Departures from Stiennon et al. (each repeated at its line):
 Speed, exact: a pair's two summaries share one pass over their prompt (its keys and values
 are cached and copied), which causal attention makes identical to two full passes (tested).
 
-Run:   python reward_model.py                 (cpu preset: 15 min on a shared 2-core CPU)
+Run:   python reward_model.py                 (cpu preset: ~25 min on a 2-core CPU without AVX-512)
        python reward_model.py --preset tiny   (toy model, seconds)
 Test:  python -m pytest -q tests/test_reward_model.py
 Use:   model = load_reward_model("runs/reward_model")
@@ -137,8 +137,9 @@ class Config:
 # Named override sets, printed at start-up; the defaults above are `blog`.
 PRESETS = {
     "blog": {},                                  # every pair, one epoch, CUDA or MPS
-    # Measured on a 2-core CPU shared with other jobs: 162 steps of 8 pairs in 12 min
-    # (2.8 s a step when idle), 15 min in all with evaluation; about 10 min when idle.
+    # On a 2-core CPU without AVX-512 (102 GFLOP/s fp32): 287 reference samples in ~5 min,
+    # 186 steps of 8 pairs at 5.4 s a step when idle (2.8 s on one with AVX-512), ~25 min in
+    # all. `--reference-pairs 0` drops 192 of the samples and 24 of the steps.
     "cpu": {"max_prompt_tokens": 128, "lora_layers": 8, "reference_pairs": 192},
     "tiny": {"max_pairs": 16, "batch_pairs": 4, "max_prompt_tokens": 64, "lora_layers": 1,
              "max_summary_tokens": 24, "min_heldout_pairs": 0, "max_heldout_pairs": 32,
@@ -795,6 +796,36 @@ def main(argv=None):
     print(f"saved to {config.out}/ ({metrics['seconds']:.0f} s in all)")
 
 
+def sample_reference_phase(config, tokenizer, tldr_posts, reserved, heldout_c, encoded,
+                           device):
+    """SmolLM2's own samples: departure 7's training pairs and the held-out gap's samples.
+
+    Training posts: TL;DR posts whose title is neither reserved for ppo.py's evaluation nor
+    one of this split's held-out posts. Returns (reference pairs, samples for `encoded`,
+    seconds taken).
+    """
+    t = time.time()
+    posts = []
+    if config.reference_pairs:
+        excluded = reserved | {c["title"].strip() for c in heldout_c}
+        posts = [p for p in tldr_posts if p["title"].strip() not in excluded]
+        random.Random(config.seed).shuffle(posts)
+        posts = [{**p, "prompt": prompt} for p in posts
+                 if (prompt := loaders.fit_prompt(tokenizer, p, config.max_prompt_tokens))]
+        posts = posts[:config.reference_pairs]
+    lm, _ = loaders.load_policy_and_tokenizer(config.model, device=device,   # ppo's reference
+                                              preset="tiny" if config.preset == "tiny" else None)
+    samples = sample_reference(lm, tokenizer, [tokenizer(p["prompt"]).input_ids for p in posts],
+                               config.sample_batch, config.seed, "sampling (training)")
+    gap_samples = sample_reference(lm, tokenizer, [p for p, _ in encoded], config.sample_batch,
+                                   config.seed + 1, "sampling (held-out)")
+    pairs = reference_pairs(tokenizer, posts, samples, config)
+    print(f"sampled the reference policy on {len(posts) + len(encoded)} posts in "
+          f"{time.time() - t:.0f} s: {len(pairs)} reference pairs for training "
+          f"(departure 7), {len(encoded)} samples for the held-out gap")
+    return pairs, gap_samples, time.time() - t
+
+
 def run(config, staging, start):
     """Load, split, sample, train, normalise, evaluate, and write everything into `staging`."""
     device = loaders.pick_device()
@@ -858,29 +889,8 @@ def run(config, staging, start):
           f"{len(fitted) - len(encoded)} with too long a title)")
 
     # The reference policy's own samples: departure 7's pairs, and the gap's other side.
-    t = time.time()
-    extra_posts = []
-    if config.reference_pairs:
-        heldout_titles = {c["title"].strip() for c in heldout_c}
-        extra_posts = [p for i, p in enumerate(tldr_posts)
-                       if p["title"].strip() not in reserved | heldout_titles]
-        random.Random(config.seed).shuffle(extra_posts)
-        extra_posts = [{**p, "prompt": prompt} for p in extra_posts
-                       if (prompt := loaders.fit_prompt(tokenizer, p, config.max_prompt_tokens))]
-        extra_posts = extra_posts[:config.reference_pairs]
-    lm, _ = loaders.load_policy_and_tokenizer(config.model, device=device,   # ppo's reference
-                                              preset="tiny" if settings["tiny"] else None)
-    extra_samples = sample_reference(lm, tokenizer, [tokenizer(p["prompt"]).input_ids
-                                                     for p in extra_posts],
-                                     config.sample_batch, config.seed, "sampling (training)")
-    gap_samples = sample_reference(lm, tokenizer, [p for p, _ in encoded], config.sample_batch,
-                                   config.seed + 1, "sampling (held-out)")
-    del lm
-    extra_pairs = reference_pairs(tokenizer, extra_posts, extra_samples, config)
-    sampling_seconds = time.time() - t
-    print(f"sampled the reference policy on {len(extra_posts) + len(encoded)} posts in "
-          f"{sampling_seconds:.0f} s: {len(extra_pairs)} reference pairs for training "
-          f"(departure 7), {len(encoded)} samples for the held-out gap")
+    extra_pairs, gap_samples, sampling_seconds = sample_reference_phase(
+        config, tokenizer, tldr_posts, reserved, heldout_c, encoded, device)
 
     # (R6) w from people's choices and length alone, frozen before the network trains.
     dg = (length_feature([p["chosen_tokens"] for p in human_pairs])
@@ -972,10 +982,11 @@ def print_summary(metrics, extra):
     gap = extra["reference_gap"]
     if gap and gap["content_reference_cut_at_limit"]["samples"]:
         cut = gap["content_reference_cut_at_limit"]
-        print(f"reference samples on {gap['posts']} held-out posts: {gap['reference_eos_fraction']:.0%}"
-              f" end in an EOS; content score of those cut at the limit "
-              f"{cut['mean_read_at_an_appended_eos']:+.2f} read at an appended EOS (as PPO now "
-              f"does), {cut['mean_read_at_the_last_token']:+.2f} at their last token (before)")
+        print(f"reference samples on {gap['posts']} held-out posts: "
+              f"{gap['reference_eos_fraction']:.0%} end in an EOS; content score of those "
+              f"cut at the limit {cut['mean_read_at_an_appended_eos']:+.2f} read at an appended "
+              f"EOS (as PPO now does), {cut['mean_read_at_the_last_token']:+.2f} at their last "
+              "token (before)")
     print(f"trained on {metrics['train_pairs']} pairs ({metrics['reference_pairs']} of them "
           f"reference pairs); {metrics['seconds']:.0f} s in all")
     for part in PARTS:
