@@ -51,6 +51,12 @@ def response_mask(actions, eos_id):
     return (eos_before == 0).float()                    # (B, T) keeps t <= first EOS
 
 
+def ended_with_eos(actions, mask, eos_id):
+    """(B,) bool: the response holds an EOS among its real tokens (mask 1), i.e. it ended
+    rather than being cut at the length limit. actions, mask: (B, T)."""
+    return ((actions == eos_id) & mask.bool()).any(-1)              # (B,)
+
+
 def last_token_index(mask):
     """(B,) long: the last real position of each row (the EOS, or T-1 at the limit)."""
     m = mask.bool()                                     # (B, T)

@@ -79,11 +79,11 @@ from tqdm import tqdm  # noqa: E402
 import kernels  # noqa: E402
 import loaders  # noqa: E402
 import reward_model as rm  # noqa: E402
-from evaluate import (copied_bigrams, ended_with_eos, paired_gain, per_post, standard_error,
+from evaluate import (copied_bigrams, paired_gain, per_post, standard_error,
                       summarize)
 from report import (load_checkpoint, peak_memory_gb, plot_curves, print_gain, print_row,
                     print_row_header, print_samples, report_sweep, save_checkpoint, write_json)
-from gae import (AdaptiveKLController, advantages_and_returns, kl_per_token,
+from gae import (AdaptiveKLController, advantages_and_returns, ended_with_eos, kl_per_token,
                  response_mask, shaped_rewards, whiten)
 from loaders import option
 from lora import with_lora

@@ -99,7 +99,7 @@ from transformers import DynamicCache  # noqa: E402
 
 import loaders  # noqa: E402
 import lora  # noqa: E402
-from gae import last_token_index  # noqa: E402
+from gae import ended_with_eos, last_token_index  # noqa: E402
 from loaders import option  # noqa: E402
 from report import publish  # noqa: E402
 
@@ -429,7 +429,7 @@ def with_eos(response_ids, response_mask, eos_id):
     Returns (B, T + 1) ids and mask: rows with no EOS get one in the new last column
     (departure 8), the others a padding column; and (B,) summary tokens, EOS not counted.
     """
-    ended = ((response_ids == eos_id) & response_mask.bool()).any(1)       # (B,) bool
+    ended = ended_with_eos(response_ids, response_mask, eos_id)            # (B,) bool
     column = torch.full_like(response_ids[:, :1], eos_id)                  # (B, 1)
     ids = torch.cat([response_ids, column], dim=1)                         # (B, T + 1)
     mask = torch.cat([response_mask, (~ended).long()[:, None]], dim=1)     # (B, T + 1)
