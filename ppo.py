@@ -64,6 +64,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,13 +77,15 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import cli  # noqa: E402
 import kernels  # noqa: E402
 import loaders  # noqa: E402
 import reward_model as rm  # noqa: E402
 from evaluate import (copied_bigrams, paired_gain, per_post, standard_error,
                       summarize)
-from report import (load_checkpoint, peak_memory_gb, plot_curves, print_gain, print_row,
-                    print_row_header, print_samples, report_sweep, save_checkpoint, write_json)
+from report import (check_run_folders, has_checkpoint, load_checkpoint, peak_memory_gb,
+                    plot_curves, print_gain, print_row, print_row_header, print_samples,
+                    report_sweep, save_checkpoint, write_json)
 from gae import (AdaptiveKLController, advantages_and_returns, ended_with_eos, kl_per_token,
                  response_mask, shaped_rewards, whiten)
 from loaders import option
@@ -130,11 +133,34 @@ class Config:
     reward_model: str = option("runs/reward_model", "folder written by reward_model.py")
     out: str = option(None, "output folder (default runs/ppo_beta{b}_seed{s}, or runs/ppo_sweep)")
     resume: bool = option(False, "continue the run in --out from its last checkpoint")
+    force: bool = option(False, "with --resume: continue although the checkpoint's settings "
+                                "differ; without: start over in an --out that holds a run")
     model: str = loaders.POLICY_NAME                # --model and --data-dir come from loaders
     data_dir: str = None
 
 
-CHOICES = {"reward": rm.PARTS}                 # flags with a fixed set of values
+# Flags with a fixed set of values, and every numeric flag's range (cli.py): both are
+# checked right after parsing, before anything loads; a bad value exits with one line.
+CHOICES = {"preset": ("auto", "blog", "cpu", "tiny"), "reward": rm.PARTS,
+           "kl_estimator": ("k1", "k3"), "precision": ("fp32", "bf16", "auto")}
+RANGES = {
+    "beta": cli.NON_NEGATIVE, "seeds": cli.NON_NEGATIVE, "iterations": cli.COUNT,
+    "batch": cli.COUNT, "prompt_tokens": cli.Range(loaders.PROMPT_TEMPLATE_TOKENS),
+    "max_new_tokens": cli.COUNT, "temperature": cli.POSITIVE, "top_k": cli.NON_NEGATIVE,
+    "top_p": cli.Range(0, 1, low_open=True), "inner_steps": cli.COUNT,
+    "lr": cli.POSITIVE, "value_lr": cli.POSITIVE,
+    # clip = 0 caps every ratio at 1 in (9): the policy can never move past pi_old, so no
+    # update would be made. Refused rather than run.
+    "clip": cli.Range(0, 1, low_open=True, high_open=True),
+    "gamma": cli.UNIT, "lam": cli.UNIT, "vf_coef": cli.NON_NEGATIVE,
+    "ent_coef": cli.NON_NEGATIVE, "ptx_coef": cli.NON_NEGATIVE, "target_kl": cli.POSITIVE,
+    "missing_eos_penalty": cli.FINITE, "micro_batch": cli.COUNT,
+    "eval_prompts": cli.Range(1, loaders.EVAL_RESERVE), "checkpoint_every": cli.COUNT,
+}
+# What --resume may change; any other setting that differs from the checkpoint's is an error
+# (unless --force): a run continued with another beta or seed is no run at all.
+RESUME_MAY_CHANGE = ("iterations", "checkpoint_every", "eval_prompts", "micro_batch", "out",
+                     "resume", "force", "seeds")
 
 PRESETS = {
     # The post's hyperparameters, for a GPU or Apple silicon. Micro-batches of 4 give the same
@@ -159,7 +185,9 @@ PRESETS = {
 
 
 def parse_args(argv=None):
-    """Config from the command line: defaults, then the preset, then explicit flags."""
+    """Config from the command line: defaults, then the preset, then explicit flags. Then
+    every value is checked (CHOICES, RANGES, --out, --data-dir, --model): a bad one exits
+    with status 2 and one line, before anything loads."""
     parser = loaders.add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     for f in dataclasses.fields(Config):
         if f.name in ("model", "data_dir"):
@@ -174,21 +202,21 @@ def parse_args(argv=None):
             kind = {int: int, float: float}.get(f.type, str)
             parser.add_argument(flag, type=kind, default=None, choices=CHOICES.get(f.name),
                                 help=f.metadata["help"])
-    args = parser.parse_args(argv)
-    preset = args.preset or "auto"
+    args = vars(parser.parse_args(argv))
+    args.pop("debug")                                    # read by cli.run_script
+    preset = args["preset"] or "auto"
     if preset == "auto":
         preset = loaders.default_preset()
-    if preset not in PRESETS:
-        parser.error(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
     values = {**PRESETS[preset], "preset": preset}
-    values.update({k: v for k, v in vars(args).items() if v is not None and v is not False})
+    values.update({k: v for k, v in args.items() if v is not None and v is not False})
     cfg = Config(**values)
-    if cfg.kl_estimator not in ("k1", "k3"):
-        parser.error("--kl-estimator must be k1 or k3")
+    cli.check_flags(parser, cfg, RANGES)
+    loaders.check_common_args(parser, cfg)
+    for beta, seed in runs(cfg):
+        if problem := cli.out_problem(run_dir_for(cfg, beta, seed)):
+            parser.error(problem)
     if cfg.precision == "auto":
         cfg.precision = "bf16" if native_bf16(loaders.pick_device()) else "fp32"
-    if cfg.precision not in ("fp32", "bf16"):
-        parser.error("--precision must be fp32, bf16 or auto")
     if cfg.batch % cfg.micro_batch:
         cfg.micro_batch = math.gcd(cfg.batch, cfg.micro_batch)
     return cfg
@@ -196,13 +224,14 @@ def parse_args(argv=None):
 
 # ---------------------------------------------------------------------------- prompts
 
-def load_prompts(cfg, tokenizer):
+def load_prompts(cfg, tokenizer, posts=None):
     """Training pool and held-out evaluation posts, each prompt within PROMPT_TOKENS.
 
-    The split is fixed (seed 0) so every run of a sweep is evaluated on the same posts.
-    Departure 4: a post that is too long is cut at a paragraph or sentence boundary.
+    `posts`: loaders.load_tldr's, read here when not given. The split is fixed (seed 0) so
+    every run of a sweep is evaluated on the same posts. Departure 4: a post that is too
+    long is cut at a paragraph or sentence boundary.
     """
-    posts = loaders.load_tldr(cfg.data_dir)
+    posts = loaders.load_tldr(cfg.data_dir) if posts is None else posts
     kept, cut, rank = [], 0, []
     for position, i in enumerate(tqdm(loaders.tldr_order(posts), desc="fitting prompts",
                                       leave=False)):
@@ -213,12 +242,16 @@ def load_prompts(cfg, tokenizer):
         kept.append({**posts[i], "prompt": prompt})
         rank.append(position)
     if len(kept) < cfg.eval_prompts + cfg.batch:
-        raise loaders.DataError(f"only {len(kept)} usable TL;DR posts; need at least "
+        raise loaders.DataError(f"{len(kept)} TL;DR posts fit --prompt-tokens "
+                                f"{cfg.prompt_tokens} ({len(posts) - len(kept)} more have "
+                                "longer titles), fewer than --eval-prompts + --batch = "
                                 f"{cfg.eval_prompts + cfg.batch}")
     # The reward model never trained on these posts' TL;DRs (loaders.EVAL_RESERVE).
-    if cfg.eval_prompts and rank[cfg.eval_prompts - 1] >= loaders.EVAL_RESERVE:
-        raise SystemExit(f"error: --eval-prompts {cfg.eval_prompts} reaches past the "
-                         f"{loaders.EVAL_RESERVE} posts reserved for evaluation; use fewer")
+    if rank[cfg.eval_prompts - 1] >= loaders.EVAL_RESERVE:
+        raise cli.UserError(f"--eval-prompts {cfg.eval_prompts} reaches past the "
+                            f"{loaders.EVAL_RESERVE} posts reserved for evaluation (only "
+                            f"{sum(r < loaders.EVAL_RESERVE for r in rank)} of them fit "
+                            f"--prompt-tokens {cfg.prompt_tokens}); use fewer")
     print(f"prompts: kept {len(kept)} posts within {cfg.prompt_tokens} tokens "
           f"({cut} cut at a paragraph or sentence boundary); "
           f"{cfg.eval_prompts} held out for evaluation")
@@ -439,7 +472,7 @@ def ptx_loss(policy, tokenizer, posts, device, temperature=1.0):
     return -torch.where(mask.bool(), logp, 0.0).sum(-1).mean()
 
 
-# ---------------------------------------------------------------------- the ratio check
+# ------------------------------------------------------------------------- the checks
 
 class RatioError(RuntimeError):
     """The ratio is not 1 before the first step: old and new log-probs disagree."""
@@ -465,6 +498,24 @@ def check_ratio(ratio, tolerance=1e-5):
     return lo, hi
 
 
+class NonFiniteError(cli.UserError):
+    """A score, reward, advantage or loss became NaN or inf: the run stops there."""
+
+
+def check_finite(iteration, **named):
+    """Stop at the first of the `named` tensors that holds a NaN or an inf.
+
+    Called before the backward pass and the optimizer step, and before the iteration's
+    results row and checkpoint are written: the last checkpoint is the last good state.
+    """
+    for name, x in named.items():
+        bad = ~torch.isfinite(x)
+        if bad.any():
+            raise NonFiniteError(f"iteration {iteration}: the {name} is NaN or inf in "
+                                 f"{int(bad.sum())} of {x.numel()} values; stopped there, "
+                                 "and the last checkpoint (if any) is intact")
+
+
 # ------------------------------------------------------------------------- the loop
 
 def train(cfg, beta, seed, models, pool, run_dir, progress=True):
@@ -484,13 +535,16 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
     results = {"config": {**dataclasses.asdict(cfg), "beta": beta, "seed": seed},
                "iterations": [], "final": None}
     start = 0
-    if cfg.resume and (Path(run_dir) / "checkpoint").exists():
+    if cfg.resume and has_checkpoint(run_dir):
         start, beta = load_checkpoint(run_dir, policy, value_head, optimizer)
         if controller:
             controller.beta = beta
-        old = json.loads((Path(run_dir) / "results.json").read_text())
+        with cli.reading(Path(run_dir) / "results.json", "the results of the run to resume"):
+            old = json.loads((Path(run_dir) / "results.json").read_text())
         results["iterations"] = old["iterations"][:start]
         print(f"resumed {run_dir} at iteration {start}")
+    else:                                       # --force: another run's checkpoint goes
+        shutil.rmtree(Path(run_dir) / "checkpoint", ignore_errors=True)
 
     bar = tqdm(range(start, cfg.iterations), desc=f"beta={beta:g} seed={seed}",
                disable=not progress, initial=start, total=cfg.iterations)
@@ -512,6 +566,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         with precision(cfg, device):
             scores = score(reward, prompt_ids, prompt_mask, actions, mask,
                            cfg.missing_eos_penalty, eos, groups, cfg.reward)    # (B,)
+        check_finite(iteration, score=scores)
         timer["score"] = time.perf_counter() - t
 
         # ---- 3. old log-probs and values (training path), reference log-probs
@@ -535,6 +590,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
             adv, ret = advantages_and_returns(rewards, values, mask, cfg.gamma,
                                               cfg.lam)                      # (B, T) each
             adv = whiten(adv, mask)                     # (B, T) over real tokens only
+            check_finite(iteration, reward=rewards, advantage=adv)
         timer["forward"] = time.perf_counter() - t
 
         # ---- 5. INNER_STEPS clipped updates on this batch
@@ -563,6 +619,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
                                       device, cfg.temperature)
                     loss = loss + cfg.ptx_coef * lm * (len(rows) / cfg.batch)
                     log["ptx_loss"] += lm.item() * len(rows) / cfg.batch
+                check_finite(iteration, loss=loss)
                 loss.backward()
                 share = mask[rows].sum().item() / n_tok.item()      # this part's real tokens
                 log["policy_loss"] += pl.item()
@@ -655,13 +712,21 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
 
 # ---------------------------------------------------------------------------- main
 
-def run_dir_for(cfg, beta, seed, sweep):
+def runs(cfg):
+    """Every (beta, seed) pair: one run each; more than one is a sweep."""
+    return [(beta, seed) for beta in cfg.beta for seed in cfg.seeds]
+
+
+def run_dir_for(cfg, beta, seed):
+    sweep = len(runs(cfg)) > 1
     base = Path(cfg.out or ("runs/ppo_sweep" if sweep else f"runs/ppo_beta{beta:g}_seed{seed}"))
     return base / f"beta{beta:g}_seed{seed}" if sweep else base
 
 
 def main(argv=None):
     cfg = parse_args(argv)
+    plan = check_run_folders([(beta, seed, run_dir_for(cfg, beta, seed)) for beta, seed in
+                              runs(cfg)], dataclasses.asdict(cfg), RESUME_MAY_CHANGE)
     device = loaders.pick_device()
     print(f"preset {cfg.preset} on {device}: " + ", ".join(
         f"{k}={getattr(cfg, k)}" for k in ("iterations", "batch", "prompt_tokens",
@@ -671,16 +736,16 @@ def main(argv=None):
                                            "reward")))
     reward_path = Path(cfg.reward_model)
     if not (reward_path / "config.json").exists():
-        raise SystemExit(f"no reward model in {reward_path}: run `python reward_model.py"
-                         + (" --preset tiny --out " + str(reward_path) if cfg.preset == "tiny"
-                            else "") + "` first, or pass --reward-model DIR")
+        raise cli.UserError(f"no reward model in {reward_path}: run `python reward_model.py"
+                            + (" --preset tiny --out " + str(reward_path)
+                               if cfg.preset == "tiny" else "")
+                            + "` first, or pass --reward-model DIR")
+    posts = loaders.load_tldr(cfg.data_dir)             # the data first: its errors are cheap
     reference, tokenizer = loaders.load_policy_and_tokenizer(cfg.model, preset=cfg.preset,
                                                              device=device)
     reward = rm.load_reward_model(reward_path, device=device)
-    pool, held_out = load_prompts(cfg, tokenizer)
+    pool, held_out = load_prompts(cfg, tokenizer, posts)
     models = (reference, reward, tokenizer, device)
-    pairs = [(b, s) for b in cfg.beta for s in cfg.seeds]
-    sweep = len(pairs) > 1
 
     # The floor and the ceiling, on the held-out posts: the untrained model and people.
     torch.manual_seed(10_000)
@@ -701,10 +766,10 @@ def main(argv=None):
           f"{baseline['human']['reward']:.2f} ± {baseline['human']['reward_se']:.2f}")
 
     table = []
-    for beta, seed in pairs:
-        run_dir = run_dir_for(cfg, beta, seed, sweep)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        policy, _, results = train(cfg, beta, seed, models, pool, run_dir)
+    for beta, seed, run_dir in plan:
+        # A run that fails before its first checkpoint leaves no folder behind.
+        with cli.new_folders(run_dir, keep=has_checkpoint):
+            policy, _, results = train(cfg, beta, seed, models, pool, run_dir)
         torch.manual_seed(10_000 + seed)
         samples = rollouts(policy, reference, reward, tokenizer, held_out, cfg, device)
         # Paired over the held-out posts: d_i = r_policy,i - r_ref,i (evaluate.py)
@@ -734,9 +799,9 @@ def main(argv=None):
                       **{k: v for k, v in final.items() if not k.endswith("samples")},
                       "run_dir": str(run_dir)})
         print(f"results in {run_dir}/results.json, curves in {run_dir}/curves.png")
-    if sweep:
+    if len(plan) > 1:
         report_sweep(table, baseline, Path(cfg.out or "runs/ppo_sweep"))
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)

@@ -3,6 +3,8 @@
 Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
     write_json            results.json, written aside and renamed (never half-written)
     publish               the same for a folder (reward_model.py's output, checkpoints)
+    check_run_folders     before a run: --resume finds its checkpoint and settings, and a
+                          new run does not write over an old one
     save_checkpoint       adapter, value head, AdamW moments and the RNG, as safetensors,
     load_checkpoint       so that `ppo.py --resume` continues a killed run exactly
     peak_memory_gb        CUDA's allocator peak, or the process's peak resident memory
@@ -23,7 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lora import load_adapter, save_adapter
+import cli
+from lora import AdapterMismatch, load_adapter, save_adapter
 
 
 # ------------------------------------------------------------------ files, checkpoints
@@ -49,6 +52,39 @@ def publish(staging, out):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def has_checkpoint(run_dir):
+    return (Path(run_dir) / "checkpoint" / "state.json").is_file()
+
+
+def check_run_folders(plan, config, may_change):
+    """`plan` ([(beta, seed, run_dir)]) once every run may start; else a UserError, and
+    nothing is touched. With config["resume"], a checkpoint must be there (in one run of a
+    sweep at least; the others start) and its run's settings must be `config`'s, bar those
+    in `may_change`, unless config["force"]. A new run does not write over one in its
+    folder unless config["force"]."""
+    resume, force = config["resume"], config["force"]
+    resumable = [(beta, seed, d) for beta, seed, d in plan if has_checkpoint(d)]
+    if resume and not resumable:
+        where = plan[0][2] if len(plan) == 1 else plan[0][2].parent / "*"
+        raise cli.UserError(f"--resume: no checkpoint in {where}/checkpoint, so nothing to "
+                            "resume; check --out, or leave out --resume to start")
+    for _, _, run_dir in plan:
+        if not (resume or force) and (run_dir / "results.json").exists():
+            raise cli.UserError(f"{run_dir} already holds a run: --resume continues it, "
+                                "--force starts it over, or pass another --out")
+    for beta, seed, run_dir in resumable if resume and not force else []:
+        with cli.reading(run_dir / "results.json", "the results.json of the run to resume"):
+            saved = json.loads((run_dir / "results.json").read_text()).get("config", {})
+        now = {**config, "beta": beta, "seed": seed}
+        differ = [f"{k} {saved[k]!r} there, {v!r} now" for k, v in now.items()
+                  if k in saved and k not in may_change and saved[k] != v]
+        if differ:
+            raise cli.UserError(f"--resume: {run_dir} was run with other settings ("
+                                + "; ".join(differ) + "); pass the same flags, or add "
+                                "--force to continue anyway")
+    return plan
+
+
 def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controller_beta):
     """Adapter, value head, optimizer moments and RNG state, as safetensors + JSON."""
     staging = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint-"))
@@ -71,12 +107,15 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
 def load_checkpoint(run_dir, policy, value_head, optimizer):
     """Restore what `save_checkpoint` wrote; returns (next iteration, beta)."""
     folder = Path(run_dir) / "checkpoint"
-    if not (folder / "state.json").exists():
-        raise FileNotFoundError(f"--resume: no checkpoint in {folder}")
-    state = json.loads((folder / "state.json").read_text())
-    load_adapter(policy, folder / "adapter.safetensors")
-    value_head.load_state_dict(load_file(str(folder / "value_head.safetensors")))
-    tensors = load_file(str(folder / "optimizer_rng.safetensors"))
+    expected = "a checkpoint written by ppo.py with this preset (delete it to start over)"
+    with cli.reading(folder / "state.json", expected):
+        state = json.loads((folder / "state.json").read_text())
+    with cli.reading(folder / "adapter.safetensors", expected, AdapterMismatch):
+        load_adapter(policy, folder / "adapter.safetensors")
+    with cli.reading(folder / "value_head.safetensors", expected):
+        value_head.load_state_dict(load_file(str(folder / "value_head.safetensors")))
+    with cli.reading(folder / "optimizer_rng.safetensors", expected):
+        tensors = load_file(str(folder / "optimizer_rng.safetensors"))
     saved = optimizer.state_dict()
     groups = saved["param_groups"]
     restored = {}

@@ -79,7 +79,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
@@ -97,6 +96,7 @@ from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+import cli  # noqa: E402
 import loaders  # noqa: E402
 import lora  # noqa: E402
 from gae import ended_with_eos, last_token_index  # noqa: E402
@@ -146,6 +146,16 @@ PRESETS = {
              "reference_pairs": 4, "sample_batch": 8},
 }
 
+# Every numeric flag's allowed values (cli.py), checked before anything loads.
+RANGES = {"seed": cli.NON_NEGATIVE, "epochs": cli.COUNT, "max_pairs": cli.NON_NEGATIVE,
+          "batch_pairs": cli.COUNT, "lr": cli.POSITIVE, "head_lr": cli.POSITIVE,
+          "lora_layers": cli.NON_NEGATIVE,
+          "max_prompt_tokens": cli.Range(loaders.PROMPT_TEMPLATE_TOKENS),
+          "max_summary_tokens": cli.COUNT, "heldout_fraction": cli.Range(0, 1, True, True),
+          "min_heldout_pairs": cli.NON_NEGATIVE, "max_heldout_pairs": cli.NON_NEGATIVE,
+          "eval_batch": cli.COUNT, "reference_pairs": cli.NON_NEGATIVE,
+          "sample_batch": cli.COUNT}
+
 # The two scores a saved model gives (R5), and the one ppo.py maximises unless told.
 # `content` by default: the length term is what PPO exploited when it was part of the
 # reward (samples ran to the 48-token limit, scored highest for it), and w g(y) adds
@@ -155,7 +165,9 @@ DEFAULT_PART = "content"
 
 
 def parse_config(argv=None):
-    """Defaults, then the preset's overrides, then the flags given on the command line."""
+    """Defaults, then the preset's overrides, then the flags given on the command line;
+    then every value is checked (RANGES, --out, --data-dir, --model): a bad one exits with
+    status 2 and one line, before anything loads."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     loaders.add_common_args(parser)
     for f in fields(Config):
@@ -164,11 +176,16 @@ def parse_config(argv=None):
             parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
                                 default=None, help=f.metadata["help"], **extra)
     args = vars(parser.parse_args(argv))
+    args.pop("debug")                                    # read by cli.run_script
     preset = args["preset"] or loaders.default_preset()
     config = Config(**{**PRESETS[preset], "preset": preset})
     for name, value in args.items():
         if value is not None:
             setattr(config, name, value)
+    cli.check_flags(parser, config, RANGES)
+    loaders.check_common_args(parser, config)
+    if problem := cli.out_problem(config.out):
+        parser.error(problem)
     return config
 
 
@@ -486,29 +503,41 @@ def save_reward_model(model, folder):
     (folder / "config.json").write_text(json.dumps(settings, indent=2))
 
 
+# What load_reward_model needs from config.json (save_reward_model writes more).
+SETTINGS = {"base_model", "tiny", "seed", "lora_r", "lora_alpha", "lora_layers",
+            "base_fingerprint", "resolved_from"}
+
+
 def load_reward_model(path, device="cpu"):
     """A saved RewardModel, frozen, in eval mode, its normalisation shift included."""
-    path = Path(path)
+    path, what = Path(path), "a reward model folder written by `python reward_model.py`"
     missing = [n for n in ("config.json", "adapter.safetensors", "head.safetensors")
                if not (path / n).is_file()]
     if missing:
-        raise FileNotFoundError(f"{path} is not a reward model folder (missing {missing}); "
-                                "train one with `python reward_model.py --out DIR`")
-    settings = json.loads((path / "config.json").read_text())
+        raise cli.UserError(f"{path} is not a reward model folder (missing "
+                            f"{', '.join(missing)}); train one with `python reward_model.py "
+                            "--out DIR`")
+    with cli.reading(path / "config.json", what):
+        settings = json.loads((path / "config.json").read_text())
+    if not isinstance(settings, dict) or not SETTINGS <= set(settings):
+        raise cli.UserError(f"{path / 'config.json'} lacks the settings of {what}")
     expected = settings.pop("base_fingerprint")
     model, _ = build_reward_model(settings, device)
     if settings["tiny"]:
-        model.body.load_state_dict(load_file(str(path / "base.safetensors"),
-                                             device=str(device)), strict=False)
+        with cli.reading(path / "base.safetensors", what):
+            model.body.load_state_dict(load_file(str(path / "base.safetensors"),
+                                                 device=str(device)), strict=False)
     if abs(base_fingerprint(model) - expected) > 1e-6 * max(1.0, abs(expected)):
-        raise ValueError(f"{path} was trained on other weights of {settings['base_model']} "
-                         f"({settings['resolved_from']}); load that copy (HF_HUB_OFFLINE=1 "
-                         "selects the embedded one) or retrain")
-    lora.load_adapter(model.body, path / "adapter.safetensors")
-    head = load_file(str(path / "head.safetensors"), device=str(device))
+        raise cli.UserError(f"{path} was trained on other weights of {settings['base_model']} "
+                            f"({settings['resolved_from']}); load that copy (HF_HUB_OFFLINE=1 "
+                            "selects the embedded one) or retrain")
+    with cli.reading(path / "adapter.safetensors", what, lora.AdapterMismatch):
+        lora.load_adapter(model.body, path / "adapter.safetensors")
+    with cli.reading(path / "head.safetensors", what):
+        head = load_file(str(path / "head.safetensors"), device=str(device))
     if "length_weight" not in head:
-        raise ValueError(f"{path} was written by an older reward_model.py, without the length "
-                         "term (R5); retrain it with `python reward_model.py`")
+        raise cli.UserError(f"{path} was written by an older reward_model.py, without the "
+                            "length term (R5); retrain it with `python reward_model.py`")
     with torch.no_grad():
         model.head.weight.copy_(head["head.weight"])
         model.head.bias.copy_(head["head.bias"])
@@ -767,32 +796,23 @@ def plot(losses, margins, folder):
     plt.close("all")
 
 
-def staging_folder(out):
-    """A fresh hidden folder beside `out`, made first so an unwritable --out fails at once."""
-    out = Path(out).resolve()
-    if out.exists() and not out.is_dir():
-        raise SystemExit(f"error: --out {out} is a file; pass a folder path")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    except OSError as error:
-        raise SystemExit(f"error: cannot write next to --out {out} ({error}); "
-                         "pass --out a folder you can write to") from error
-
-
 def main(argv=None):
     start = time.time()
     config = parse_config(argv)
     print(f"preset {config.preset}: "
           + (", ".join(f"{k}={v}" for k, v in PRESETS[config.preset].items()) or "defaults")
           + "\nsettings: " + ", ".join(f"{k}={v}" for k, v in asdict(config).items()))
-    staging = staging_folder(config.out)
-    try:
-        metrics = run(config, staging, start)
-        publish(staging, config.out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)       # nothing half-written is left
-        raise
+    # Written aside, in a hidden folder beside --out, and renamed into place when complete;
+    # a failure removes it and any folder made for it: --out is left as it was.
+    out = Path(config.out).resolve()
+    with cli.new_folders(out.parent):
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            metrics = run(config, staging, start)
+            publish(staging, out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     print(f"saved to {config.out}/ ({metrics['seconds']:.0f} s in all)")
 
 
@@ -832,8 +852,8 @@ def run(config, staging, start):
     try:
         comparisons = loaders.load_comparisons(config.data_dir or None)
     except loaders.DataError as error:
-        raise SystemExit(f"error: {error}\nPass --data-dir a folder holding "
-                         "summarize_from_feedback_comparisons/batch*.json") from error
+        raise loaders.DataError(f"{error}; pass --data-dir a folder holding "
+                                "summarize_from_feedback_comparisons/batch*.json") from error
     try:
         tldr_posts = loaders.load_tldr(config.data_dir or None)
     except loaders.DataError as error:
@@ -842,8 +862,9 @@ def run(config, staging, start):
         tldr_posts = []
     train_c, heldout_c = split_comparisons(comparisons, config.heldout_fraction, config.seed)
     if len(heldout_c) < config.min_heldout_pairs:
-        raise SystemExit(f"error: only {len(heldout_c)} comparisons held out, fewer than "
-                         f"{config.min_heldout_pairs}; raise --heldout-fraction")
+        raise cli.UserError(f"only {len(heldout_c)} comparisons held out, fewer than "
+                            f"--min-heldout-pairs {config.min_heldout_pairs}; raise "
+                            "--heldout-fraction")
     # Departure 7: no human TL;DR of one of ppo.py's evaluation posts is trained on.
     reserved = {tldr_posts[i]["title"].strip()
                 for i in loaders.tldr_order(tldr_posts)[:loaders.EVAL_RESERVE]}
@@ -862,6 +883,9 @@ def run(config, staging, start):
                 "resolved_from": "random tiny model" if config.preset == "tiny"
                 else loaders.resolve_model(config.model)[0]}
     model, tokenizer = build_reward_model(settings, device)
+    if config.lora_layers > len(model.body.layers):
+        raise cli.UserError(f"argument --lora-layers: {config.lora_layers} is more than the "
+                            f"model's {len(model.body.layers)} layers")
     model.settings.update(pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
     trainable, total = lora.count_parameters(model)
     print(f"reward model: {trainable:,} trainable of {total:,} parameters on {device}, "
@@ -871,9 +895,11 @@ def run(config, staging, start):
     human_pairs = prepare_pairs(tokenizer, train_c[:config.max_pairs or None], config)
     heldout_pairs = prepare_pairs(tokenizer, heldout_c[:config.max_heldout_pairs or None],
                                   config)
-    if not human_pairs or not heldout_pairs:
-        raise SystemExit(f"error: {len(human_pairs)} training and {len(heldout_pairs)} "
-                         "held-out comparisons; both need at least one")
+    if not human_pairs or not heldout_pairs:           # every title too long, or no data
+        raise cli.UserError(f"{len(human_pairs)} training and {len(heldout_pairs)} held-out "
+                            "comparisons fit --max-prompt-tokens "
+                            f"{config.max_prompt_tokens}; both need at least one (raise "
+                            "--max-prompt-tokens, or --max-pairs if it is small)")
     print(f"{len(comparisons)} comparisons of {len({c['post_id'] for c in comparisons})} "
           f"posts: training on {len(human_pairs)}, evaluating on {len(heldout_pairs)} "
           f"from {len({c['post_id'] for c in heldout_c})} posts never trained on")
@@ -994,4 +1020,4 @@ def print_summary(metrics, extra):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run_script(main)

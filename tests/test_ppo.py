@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import evaluate
+import loaders
 import ppo
 import reward_model as rm
 from gae import advantages_and_returns, response_mask, shaped_rewards, whiten
@@ -425,3 +426,49 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
     assert "reward_se" in sweep["baseline"]["human"]
     assert (tmp_path / "sweep.png").exists()
     assert (tmp_path / "beta0.5_seed1" / "results.json").exists()
+
+
+def test_a_nan_score_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_reward_model, tiny,
+                                                                      tokenizer, tmp_path,
+                                                                      monkeypatch):
+    """A NaN injected into one score of iteration 2: the run stops there with a message that
+    names the quantity and the iteration; the checkpoint of iteration 1 is untouched and
+    results.json holds iterations 0 and 1 only. (Without the guard the NaN reaches the
+    adapter, and sampling fails on NaN probabilities one iteration later.)"""
+    cfg = ppo.parse_args(["--preset", "tiny", "--iterations", "4", "--checkpoint-every", "1",
+                          "--out", str(tmp_path)])
+    posts = loaders.load_tldr()[:30]
+    pool = [{**p, "prompt": prompt} for p in posts
+            if (prompt := loaders.fit_prompt(tokenizer, p, cfg.prompt_tokens))][:8]
+    models = (tiny, rm.load_reward_model(tiny_reward_model), tokenizer, torch.device("cpu"))
+    real_score, real_save, saved = ppo.score, ppo.save_checkpoint, {}
+
+    def score(*args, **kwargs):                 # the third call is iteration 2
+        scores = real_score(*args, **kwargs)
+        score.calls = getattr(score, "calls", 0) + 1
+        return scores.index_fill(0, torch.tensor([1]), float("nan")) if score.calls == 3 \
+            else scores
+
+    def save_checkpoint(run_dir, *args):        # the files of the last checkpoint written
+        real_save(run_dir, *args)
+        saved.clear()
+        saved.update({p.name: p.read_bytes() for p in (run_dir / "checkpoint").iterdir()})
+
+    monkeypatch.setattr(ppo, "score", score)
+    monkeypatch.setattr(ppo, "save_checkpoint", save_checkpoint)
+    with pytest.raises(ppo.NonFiniteError, match=r"iteration 2: the score is NaN or inf in 1 "
+                                                 r"of 4 values"):
+        ppo.train(cfg, 0.1, 0, models, pool, tmp_path, progress=False)
+    checkpoint = tmp_path / "checkpoint"
+    assert json.loads((checkpoint / "state.json").read_text())["iteration"] == 1
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == saved
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [row["iteration"] for row in results["iterations"]] == [0, 1]
+
+
+def test_check_finite_names_the_quantity():
+    ppo.check_finite(0, loss=torch.tensor(1.0), advantage=torch.zeros(2, 3))
+    with pytest.raises(ppo.NonFiniteError, match="iteration 7: the advantage is NaN or inf "
+                                                 "in 2 of 6"):
+        ppo.check_finite(7, loss=torch.tensor(1.0),
+                         advantage=torch.tensor([[0, float("inf"), 0], [float("nan"), 0, 0]]))
