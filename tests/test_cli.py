@@ -111,7 +111,7 @@ def world(tmp_path_factory):
         b"\xff\xfe not json")
     # 40 real posts, enough for the tiny preset's 4 held-out + 4 training prompts
     (w / "small" / "tldr_validation_samples").mkdir(parents=True)
-    with open(loaders.SHARED_DATA / "tldr_validation_samples" / "oai1b.csv",
+    with open(loaders.resolve_data_dir() / "tldr_validation_samples" / "oai1b.csv",
               newline="") as source:
         rows = list(csv.DictReader(source))[:40]
     with open(w / "small" / "tldr_validation_samples" / "oai1b.csv", "w", newline="") as sink:
