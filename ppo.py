@@ -83,9 +83,10 @@ import loaders  # noqa: E402
 import reward_model as rm  # noqa: E402
 from evaluate import (copied_bigrams, paired_gain, per_post, standard_error,
                       summarize)
-from report import (check_run_folders, has_checkpoint, load_checkpoint, peak_memory_gb,
-                    plot_curves, print_gain, print_row, print_row_header, print_samples,
-                    report_sweep, save_checkpoint, write_json)
+from report import (check_run_folders, checkpoint_iteration, finished_row, has_checkpoint,
+                    load_baseline, load_checkpoint, peak_memory_gb, plot_curves, print_gain,
+                    print_row, print_row_header, print_samples, record_failure, report_sweep,
+                    save_checkpoint, write_json)
 from gae import (AdaptiveKLController, advantages_and_returns, ended_with_eos, kl_per_token,
                  response_mask, shaped_rewards, whiten)
 from loaders import option
@@ -161,6 +162,11 @@ RANGES = {
 # (unless --force): a run continued with another beta or seed is no run at all.
 RESUME_MAY_CHANGE = ("iterations", "checkpoint_every", "eval_prompts", "micro_batch", "out",
                      "resume", "force", "seeds")
+# The settings that decide the reference's held-out samples and the human rows: a resumed
+# sweep reuses its stored ones only when these agree.
+BASELINE_KEY = ("model", "reward_model", "reward", "data_dir", "preset", "prompt_tokens",
+                "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts", "batch",
+                "precision")
 
 PRESETS = {
     # The post's hyperparameters, for a GPU or Apple silicon. Micro-batches of 4 give the same
@@ -747,7 +753,49 @@ def main(argv=None):
     pool, held_out = load_prompts(cfg, tokenizer, posts)
     models = (reference, reward, tokenizer, device)
 
-    # The floor and the ceiling, on the held-out posts: the untrained model and people.
+    folder = Path(cfg.out or "runs/ppo_sweep") if len(plan) > 1 else plan[0][2]
+    base = reference_and_human(cfg, models, held_out, folder)
+
+    started, trained = time.time(), 0
+    for k, (beta, seed, run_dir) in enumerate(plan):
+        if cfg.resume and finished_row(run_dir, cfg.iterations):
+            print(f"{run_dir}: finished before, skipped")
+            continue
+        start = checkpoint_iteration(run_dir) if cfg.resume else 0
+        # A run that fails before its first checkpoint leaves no folder behind.
+        with cli.new_folders(run_dir, keep=has_checkpoint):
+            write_json(folder / "baseline.json", base)
+            try:
+                policy, _, results = train(cfg, beta, seed, models, pool, run_dir)
+            except NonFiniteError as error:
+                if len(plan) == 1:
+                    raise
+                print(f"beta={beta:g} seed={seed} failed: {error}")    # a row, not a gap
+                record_failure(run_dir, {**dataclasses.asdict(cfg), "beta": beta,
+                                         "seed": seed}, error)
+                continue
+        evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir)
+        trained += cfg.iterations - start
+        left = sum(not finished_row(d, cfg.iterations) for _, _, d in plan[k + 1:])
+        if left and trained:    # at this process's pace so far, evaluation included
+            eta = (time.time() - started) / trained * cfg.iterations * left
+            print(f"sweep: {len(plan) - left} of {len(plan)} runs over, about "
+                  + (f"{eta / 60:.0f} min" if eta > 90 else f"{eta:.0f} s") + " to go")
+    if len(plan) > 1:           # the table, rebuilt from every run's results.json
+        report_sweep([finished_row(d, cfg.iterations) for _, _, d in plan], base["baseline"],
+                     folder)
+
+
+def reference_and_human(cfg, models, held_out, folder):
+    """The floor and the ceiling on the held-out posts: the untrained model's samples and
+    people's TL;DRs, scored. Once per sweep: `folder`/baseline.json keeps them, and a
+    resumed sweep reads them back when the settings that made them (BASELINE_KEY) agree."""
+    reference, reward, tokenizer, device = models
+    key = {k: getattr(cfg, k) for k in BASELINE_KEY}
+    stored = load_baseline(folder / "baseline.json", key) if cfg.resume else None
+    if stored:
+        print(f"reference and human rows: from {folder / 'baseline.json'}")
+        return stored
     torch.manual_seed(10_000)
     ref_samples = rollouts(reference, reference, reward, tokenizer, held_out, cfg, device)
     with precision(cfg, device):
@@ -764,43 +812,41 @@ def main(argv=None):
     print(f"reference: reward {baseline['ref']['reward']:.2f} ± {baseline['ref']['reward_se']:.2f}"
           f", fluency {baseline['ref']['fluency']:.1f}; human TL;DRs: reward "
           f"{baseline['human']['reward']:.2f} ± {baseline['human']['reward_se']:.2f}")
+    return {"key": key, "baseline": baseline, "baseline_posts": baseline_posts,
+            "ref_samples": ref_samples}
 
-    table = []
-    for beta, seed, run_dir in plan:
-        # A run that fails before its first checkpoint leaves no folder behind.
-        with cli.new_folders(run_dir, keep=has_checkpoint):
-            policy, _, results = train(cfg, beta, seed, models, pool, run_dir)
-        torch.manual_seed(10_000 + seed)
-        samples = rollouts(policy, reference, reward, tokenizer, held_out, cfg, device)
-        # Paired over the held-out posts: d_i = r_policy,i - r_ref,i (evaluate.py)
-        gain, gain_se = paired_gain([s["reward"] for s in samples],
-                                    [s["reward"] for s in ref_samples])
-        final = {**summarize(samples), "gain_over_ref": gain, "gain_over_ref_se": gain_se,
-                 "ref": baseline["ref"], "human": baseline["human"],
-                 "value_loss_last20": sum(r["value_loss"] for r in results["iterations"][-20:])
-                 / len(results["iterations"][-20:]),
-                 "samples": per_post(samples, ("length", "eos", "copied_bigrams", "kl", "text"),
-                                     ref_samples),
-                 **baseline_posts}
-        results["final"] = final
-        write_json(run_dir / "results.json", results)
-        plot_curves(results, run_dir / "curves.png")
-        print_row_header()
-        print_row(f"{beta:g}", final)
-        print_row("(ref)", baseline["ref"])
-        print_row("human", baseline["human"])
-        print_gain(final)
-        print_samples(samples, held_out, f"beta={beta:g} seed={seed}: held-out samples")
-        if beta == 0:
-            ranked = sorted(zip(samples, held_out), key=lambda sp: -sp[0]["reward"])
-            print_samples([s for s, _ in ranked], [p for _, p in ranked],
-                          "beta=0: the highest-reward samples (watch KL and length)")
-        table.append({"beta": beta, "seed": seed,     # the per-post rows stay in run_dir
-                      **{k: v for k, v in final.items() if not k.endswith("samples")},
-                      "run_dir": str(run_dir)})
-        print(f"results in {run_dir}/results.json, curves in {run_dir}/curves.png")
-    if len(plan) > 1:
-        report_sweep(table, baseline, Path(cfg.out or "runs/ppo_sweep"))
+
+def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir):
+    """The trained policy on the held-out posts, against the reference and people: the
+    final entry of results.json, curves.png, the post's table rows and a few samples."""
+    reference, reward, tokenizer, device = models
+    ref_samples, baseline = base["ref_samples"], base["baseline"]
+    torch.manual_seed(10_000 + seed)
+    samples = rollouts(policy, reference, reward, tokenizer, held_out, cfg, device)
+    # Paired over the held-out posts: d_i = r_policy,i - r_ref,i (evaluate.py)
+    gain, gain_se = paired_gain([s["reward"] for s in samples],
+                                [s["reward"] for s in ref_samples])
+    last20 = results["iterations"][-20:]
+    final = {**summarize(samples), "gain_over_ref": gain, "gain_over_ref_se": gain_se,
+             "ref": baseline["ref"], "human": baseline["human"],
+             "value_loss_last20": sum(r["value_loss"] for r in last20) / len(last20),
+             "samples": per_post(samples, ("length", "eos", "copied_bigrams", "kl", "text"),
+                                 ref_samples),
+             **base["baseline_posts"]}
+    results["final"] = final
+    write_json(run_dir / "results.json", results)
+    plot_curves(results, run_dir / "curves.png")
+    print_row_header()
+    print_row(f"{beta:g}", final)
+    print_row("(ref)", baseline["ref"])
+    print_row("human", baseline["human"])
+    print_gain(final)
+    print_samples(samples, held_out, f"beta={beta:g} seed={seed}: held-out samples")
+    if beta == 0:
+        ranked = sorted(zip(samples, held_out), key=lambda sp: -sp[0]["reward"])
+        print_samples([s for s, _ in ranked], [p for _, p in ranked],
+                      "beta=0: the highest-reward samples (watch KL and length)")
+    print(f"results in {run_dir}/results.json, curves in {run_dir}/curves.png")
 
 
 if __name__ == "__main__":

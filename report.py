@@ -85,6 +85,54 @@ def check_run_folders(plan, config, may_change):
     return plan
 
 
+def checkpoint_iteration(run_dir):
+    """The iteration a resumed run starts at: 0 without a checkpoint."""
+    if not has_checkpoint(run_dir):
+        return 0
+    with cli.reading(Path(run_dir) / "checkpoint" / "state.json", "a ppo.py checkpoint"):
+        return json.loads((Path(run_dir) / "checkpoint" / "state.json").read_text())[
+            "iteration"] + 1
+
+
+def read_results(run_dir):
+    """A run's results.json, or None when there is none yet."""
+    path = Path(run_dir) / "results.json"
+    if not path.is_file():
+        return None
+    with cli.reading(path, "the results.json that ppo.py writes"):
+        return json.loads(path.read_text())
+
+
+def finished_row(run_dir, iterations):
+    """The sweep-table row of the run in `run_dir` if it is over (all `iterations` trained
+    and evaluated, or failed), else None. The per-post rows stay in results.json."""
+    results = read_results(run_dir) or {}
+    config = results.get("config", {})
+    row = {"beta": config.get("beta"), "seed": config.get("seed"), "run_dir": str(run_dir)}
+    if results.get("failed"):
+        return {**row, "failed": results["failed"]}
+    if not results.get("final") or len(results["iterations"]) < iterations:
+        return None
+    return {**row, **{k: v for k, v in results["final"].items() if not k.endswith("samples")}}
+
+
+def record_failure(run_dir, config, error):
+    """Mark the run in `run_dir` as failed in its results.json (the iterations before the
+    failure stay): the sweep table shows it as a row, and --resume does not rerun it."""
+    results = read_results(run_dir) or {"config": config, "iterations": [], "final": None}
+    write_json(Path(run_dir) / "results.json", {**results, "failed": str(error)})
+
+
+def load_baseline(path, key):
+    """The reference and human rows an earlier start of this sweep stored in `path`, when
+    they were made with the settings `key`; else None (they are sampled again)."""
+    if not Path(path).is_file():
+        return None
+    with cli.reading(path, "the baseline.json that ppo.py writes"):
+        stored = json.loads(Path(path).read_text())
+    return stored if stored.get("key") == key else None
+
+
 def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controller_beta):
     """Adapter, value head, optimizer moments and RNG state, as safetensors + JSON."""
     staging = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint-"))
@@ -168,10 +216,12 @@ def print_gain(r):
     print(f"gain over (ref): {gain:+.2f} ± {se:.2f} ({z}, paired over {len(r['samples'])} posts)")
 
 
-def report_sweep(table, baseline, out):
+def report_sweep(rows, baseline, out):
     """The post's table: reward, gain over the reference and fluency worst to best over
     seeds (± the seeds' mean standard error), EOS and copied fractions averaged over seeds,
-    and the mean value loss."""
+    and the mean value loss. A failed run is a line of its own; the others make the table."""
+    failed = [r for r in rows if r and r.get("failed")]
+    table = [r for r in rows if r and not r.get("failed")]
     print(f"\n{'KL':>6} {'reward, worst to best':>21} {'gain over (ref)':>21} {'fluency':>16} "
           f"{'EOS':>5} {'copied':>7} {'value loss':>11}")
     for beta in sorted({r["beta"] for r in table}):
@@ -188,7 +238,11 @@ def report_sweep(table, baseline, out):
     print(f"{'(ref)':>6} {ref['reward']:>5.2f} {'':>8} ± {ref['reward_se']:<4.2f} {'':>21} "
           f"{ref['fluency']:>16.1f} {ref['eos_fraction']:>5.2f} {ref['copied_bigrams']:>7.2f}")
     print(f"{'human':>6} {human['reward']:>5.2f} {'':>8} ± {human['reward_se']:<4.2f}")
-    write_json(out / "sweep.json", {"runs": table, "baseline": baseline})
+    for r in failed:
+        print(f"{r['beta']:>6g} seed {r['seed']} failed: {r['failed']}")
+    if len(table) + len(failed) < len(rows):
+        print(f"{len(rows) - len(table) - len(failed)} runs have not finished")
+    write_json(out / "sweep.json", {"runs": table + failed, "baseline": baseline})
     plot_sweep(table, baseline, out / "sweep.png")
     print(f"sweep in {out}/sweep.json and {out}/sweep.png")
 

@@ -3,6 +3,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton reads it at import: set before any test imports it
 
 
+import csv
+
 import pytest
 import torch
 
@@ -25,3 +27,19 @@ def smollm2():
     """The real SmolLM2-135M-Instruct (the embedded copy offline); frozen, eval mode."""
     torch.manual_seed(0)
     return loaders.load_model()
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+    """A data folder with the first 40 TL;DR posts: enough for the tiny preset (4 held-out
+    and 4 training prompts), and fitted to a prompt budget in a fraction of a second."""
+    folder = tmp_path_factory.mktemp("small_data")
+    (folder / "tldr_validation_samples").mkdir()
+    with open(loaders.resolve_data_dir() / "tldr_validation_samples" / "oai1b.csv",
+              newline="") as source:
+        rows = list(csv.DictReader(source))[:40]
+    with open(folder / "tldr_validation_samples" / "oai1b.csv", "w", newline="") as sink:
+        writer = csv.DictWriter(sink, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return folder

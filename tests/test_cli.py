@@ -10,7 +10,6 @@ Two cases run as real processes, to check what a user's terminal shows. Then the
 the ranges, `new_folders`, --debug, the template's token count, the hub notice printed once.
 """
 
-import csv
 import dataclasses
 import json
 import shutil
@@ -97,7 +96,7 @@ MAINS = {"ppo": ppo.main, "rm": rm.main}
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, small_data):
     """Files for the cases to trip on: a file where a folder belongs, an empty folder, bad
     data, a tiny reward model (good, and two broken copies), an earlier run folder, and one
     whose checkpoint is corrupt."""
@@ -109,15 +108,7 @@ def world(tmp_path_factory):
     (w / "bad_batch" / "summarize_from_feedback_comparisons").mkdir(parents=True)
     (w / "bad_batch" / "summarize_from_feedback_comparisons" / "batch1.json").write_bytes(
         b"\xff\xfe not json")
-    # 40 real posts, enough for the tiny preset's 4 held-out + 4 training prompts
-    (w / "small" / "tldr_validation_samples").mkdir(parents=True)
-    with open(loaders.resolve_data_dir() / "tldr_validation_samples" / "oai1b.csv",
-              newline="") as source:
-        rows = list(csv.DictReader(source))[:40]
-    with open(w / "small" / "tldr_validation_samples" / "oai1b.csv", "w", newline="") as sink:
-        writer = csv.DictWriter(sink, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    shutil.copytree(small_data, w / "small")            # 40 real posts
     # a tiny reward model, untrained (loading is what is tested), and two broken copies
     settings = {"base_model": loaders.POLICY_NAME, "tiny": True, "seed": 0, "lora_layers": 0,
                 "lora_r": 16, "lora_alpha": 32, "max_prompt_tokens": 64,

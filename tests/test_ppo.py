@@ -16,6 +16,7 @@ import copy
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -472,3 +473,63 @@ def test_check_finite_names_the_quantity():
                                                  "in 2 of 6"):
         ppo.check_finite(7, loss=torch.tensor(1.0),
                          advantage=torch.tensor([[0, float("inf"), 0], [float("nan"), 0, 0]]))
+
+
+def without_timing(row):
+    return {k: v for k, v in row.items()
+            if not k.startswith("seconds") and k not in ("peak_memory_gb", "run_dir")}
+
+
+def test_a_killed_sweep_resumes_to_the_uninterrupted_table(tiny_reward_model, small_data,
+                                                           tmp_path):
+    """Kill a sweep in its second run, resume it: the first run is skipped, the second
+    continues from its checkpoint, the reference rows are read back rather than sampled,
+    and every number equals an uninterrupted sweep's."""
+    common = ["ppo.py", "--preset", "tiny", "--reward-model", str(tiny_reward_model),
+              "--data-dir", str(small_data), "--beta", "0", "0.5", "--iterations", "4",
+              "--checkpoint-every", "1"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run(*common, "--out", str(straight))
+    process = subprocess.Popen([sys.executable, *common, "--out", str(killed)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    second = killed / "beta0.5_seed0" / "checkpoint" / "state.json"
+    deadline = time.time() + 300
+    while not second.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    process.kill()
+    process.wait()
+    assert second.exists() and not (killed / "sweep.json").exists()     # killed mid-sweep
+    out = run(*common, "--out", str(killed), "--resume")
+    assert "beta0_seed0: finished before, skipped" in out
+    assert "resumed " in out and "reference and human rows: from " in out
+    for name in ("beta0_seed0", "beta0.5_seed0"):
+        a, b = (json.loads((d / name / "results.json").read_text()) for d in (straight, killed))
+        assert [without_timing(r) for r in a["iterations"]] == \
+            [without_timing(r) for r in b["iterations"]]
+        assert a["final"] == b["final"]
+    a, b = (json.loads((d / "sweep.json").read_text()) for d in (straight, killed))
+    assert [without_timing(r) for r in a["runs"]] == [without_timing(r) for r in b["runs"]]
+    assert a["baseline"] == b["baseline"]
+
+
+def test_a_failed_run_is_a_row_of_the_sweep(tiny_reward_model, small_data, tmp_path,
+                                            monkeypatch, capsys):
+    """A run that goes NaN in a sweep is recorded, shown and skipped on --resume; the
+    others run. (The NaN guard itself: the test above the sweep's.)"""
+    real_train = ppo.train
+
+    def train(cfg, beta, seed, *args, **kwargs):
+        if beta == 0.5:
+            raise ppo.NonFiniteError("iteration 0: the score is NaN or inf in 1 of 4 values")
+        return real_train(cfg, beta, seed, *args, **kwargs)
+
+    monkeypatch.setattr(ppo, "train", train)
+    argv = ["--preset", "tiny", "--reward-model", str(tiny_reward_model), "--data-dir",
+            str(small_data), "--beta", "0", "0.5", "--iterations", "1", "--out", str(tmp_path)]
+    ppo.main(argv)
+    out = capsys.readouterr().out
+    assert "0.5 seed 0 failed: iteration 0: the score is NaN" in out
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert [(r["beta"], "failed" in r) for r in sweep["runs"]] == [(0.0, False), (0.5, True)]
+    ppo.main(argv + ["--resume"])
+    assert "beta0.5_seed0: finished before, skipped" in capsys.readouterr().out
