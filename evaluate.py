@@ -15,6 +15,10 @@ so each run also reports:
                      how much of it is copied rather than written
     distinct_2       distinct bigrams over all bigrams of the samples (diversity)
 
+Across the runs of a sweep (report.report_sweep):
+    spearman         Spearman's rank correlation, e.g. of beta with the final KL: the
+                     Pearson correlation of the ranks, tied values sharing their mean rank
+
 Nothing here runs a model: `ppo.rollouts` samples and scores, these functions count.
 The sampling stays in ppo.py because it needs `generate`, `score` and `fluency`.
 
@@ -90,3 +94,26 @@ def per_post(samples, keys, ref_samples=None):
             row["ref_reward"] = ref_samples[i]["reward"]
         rows.append({**row, **{k: s[k] for k in keys}})
     return rows
+
+
+def ranks(values):
+    """Ranks 1..n of `values`, ties given the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out, i = [0.0] * len(values), 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in order[i:j + 1]:
+            out[k] = (i + j) / 2 + 1                       # the mean of ranks i+1 .. j+1
+        i = j + 1
+    return out
+
+
+def spearman(x, y):
+    """rho = Pearson correlation of ranks(x) and ranks(y); NaN when either is constant."""
+    rx = torch.tensor(ranks(x), dtype=torch.float64)
+    ry = torch.tensor(ranks(y), dtype=torch.float64)
+    dx, dy = rx - rx.mean(), ry - ry.mean()
+    denominator = (dx.square().sum() * dy.square().sum()).sqrt()
+    return (dx * dy).sum().item() / denominator.item() if denominator > 0 else math.nan

@@ -16,6 +16,7 @@ Used by: ppo.py (tests: tests/test_ppo.py, resume and sweep end to end).
 """
 
 import json
+import math
 import os
 import resource
 import shutil
@@ -26,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import cli
+from evaluate import spearman, standard_error
 from lora import AdapterMismatch, load_adapter, save_adapter
 
 
@@ -216,35 +218,81 @@ def print_gain(r):
     print(f"gain over (ref): {gain:+.2f} ± {se:.2f} ({z}, paired over {len(r['samples'])} posts)")
 
 
-def report_sweep(rows, baseline, out):
-    """The post's table: reward, gain over the reference and fluency worst to best over
-    seeds (± the seeds' mean standard error), EOS and copied fractions averaged over seeds,
-    and the mean value loss. A failed run is a line of its own; the others make the table."""
-    failed = [r for r in rows if r and r.get("failed")]
-    table = [r for r in rows if r and not r.get("failed")]
-    print(f"\n{'KL':>6} {'reward, worst to best':>21} {'gain over (ref)':>21} {'fluency':>16} "
-          f"{'EOS':>5} {'copied':>7} {'value loss':>11}")
+def sweep_summary(table, baseline):
+    """Per beta, over its finished seeds: the mean final reward with its standard error
+    across seeds, the worst and best, the mean gain over the reference, fluency worst to
+    best, and the means of KL, length, distinct-2, EOS, copied and the value loss (each
+    run's mean over its last 20 iterations). Over every run: Spearman's rho of beta with
+    the final KL, and how far the best beta's mean reward went from the reference to the
+    human TL;DRs (0 = the reference, 1 = people)."""
+    betas = {}
     for beta in sorted({r["beta"] for r in table}):
         runs = [r for r in table if r["beta"] == beta]
         mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
-        got = sorted(r["reward"] for r in runs)
-        gain = sorted(r["gain_over_ref"] for r in runs)
-        flu = sorted(r["fluency"] for r in runs)
-        print(f"{beta:>6g} {got[0]:>5.2f} to {got[-1]:>5.2f} ± {mean('reward_se'):<4.2f} "
-              f"{gain[0]:>+5.2f} to {gain[-1]:>+5.2f} ± {mean('gain_over_ref_se'):<4.2f} "
-              f"{flu[0]:>6.1f} to {flu[-1]:>6.1f} {mean('eos_fraction'):>5.2f} "
-              f"{mean('copied_bigrams'):>7.2f} {mean('value_loss_last20'):>11.3f}")
+        rewards = sorted(r["reward"] for r in runs)
+        betas[beta] = {"runs": len(runs), "reward": mean("reward"),
+                       "reward_se_seeds": standard_error(rewards),
+                       "reward_worst": rewards[0], "reward_best": rewards[-1],
+                       "gain_over_ref": mean("gain_over_ref"),
+                       "fluency_worst": min(r["fluency"] for r in runs),
+                       "fluency_best": max(r["fluency"] for r in runs),
+                       **{k: mean(k) for k in ("fluency", "kl", "length", "distinct_2",
+                                               "eos_fraction", "copied_bigrams",
+                                               "value_loss_last20")}}
+    best = max(betas, key=lambda b: betas[b]["reward"]) if betas else None
+    ref, human = baseline["ref"]["reward"], baseline["human"]["reward"]
+    return {"by_beta": betas, "best_beta": best,
+            "best_fraction_of_ref_to_human": (betas[best]["reward"] - ref) / (human - ref)
+            if best is not None and human != ref else math.nan,
+            "spearman_beta_kl": spearman([r["beta"] for r in table], [r["kl"] for r in table])
+            if len(table) > 1 else math.nan}
+
+
+def sweep_markdown(summary, baseline, failed):
+    """The post's table as Markdown (printed, and saved as sweep.md for the README)."""
+    lines = ["| beta | runs | reward: mean ± SE over seeds | worst to best | gain over (ref) "
+             "| fluency, worst to best | KL | length | distinct-2 | EOS | copied | value loss |",
+             "|" + " --- |" * 12]
+    for beta, b in summary["by_beta"].items():
+        lines.append(f"| {beta:g} | {b['runs']} | {b['reward']:.2f} ± {b['reward_se_seeds']:.2f} "
+                     f"| {b['reward_worst']:.2f} to {b['reward_best']:.2f} "
+                     f"| {b['gain_over_ref']:+.2f} "
+                     f"| {b['fluency_worst']:.1f} to {b['fluency_best']:.1f} | {b['kl']:.2f} "
+                     f"| {b['length']:.1f} | {b['distinct_2']:.3f} | {b['eos_fraction']:.2f} "
+                     f"| {b['copied_bigrams']:.2f} | {b['value_loss_last20']:.3f} |")
     ref, human = baseline["ref"], baseline["human"]
-    print(f"{'(ref)':>6} {ref['reward']:>5.2f} {'':>8} ± {ref['reward_se']:<4.2f} {'':>21} "
-          f"{ref['fluency']:>16.1f} {ref['eos_fraction']:>5.2f} {ref['copied_bigrams']:>7.2f}")
-    print(f"{'human':>6} {human['reward']:>5.2f} {'':>8} ± {human['reward_se']:<4.2f}")
-    for r in failed:
-        print(f"{r['beta']:>6g} seed {r['seed']} failed: {r['failed']}")
+    lines.append(f"| (ref) | | {ref['reward']:.2f} ± {ref['reward_se']:.2f} (over posts) | | "
+                 f"| {ref['fluency']:.1f} | 0 | {ref['length']:.1f} | {ref['distinct_2']:.3f} "
+                 f"| {ref['eos_fraction']:.2f} | {ref['copied_bigrams']:.2f} | |")
+    lines.append(f"| human | | {human['reward']:.2f} ± {human['reward_se']:.2f} (over posts) "
+                 "|" + " |" * 9)
+    lines += [f"| {r['beta']:g} | seed {r['seed']} failed: {r['failed']} |" + " |" * 10
+              for r in failed]
+    if summary["best_beta"] is None:
+        return "\n".join(lines + ["\nNo run finished."])
+    n = sum(b["runs"] for b in summary["by_beta"].values())
+    lines.append(f"\nSpearman's rho of beta and the final KL over {n} runs: "
+                 f"{summary['spearman_beta_kl']:+.2f}. The best beta "
+                 f"({summary['best_beta']:g}) went {summary['best_fraction_of_ref_to_human']:.2f}"
+                 " of the way from the reference's mean reward to the human TL;DRs'.")
+    return "\n".join(lines)
+
+
+def report_sweep(rows, baseline, out):
+    """The post's table from every run's row (report.finished_row): printed, and written as
+    sweep.md, sweep.json and sweep.png. A failed run is a row of its own."""
+    failed = [r for r in rows if r and r.get("failed")]
+    table = [r for r in rows if r and not r.get("failed")]
+    summary = sweep_summary(table, baseline)
+    text = sweep_markdown(summary, baseline, failed)
+    print("\n" + text)
     if len(table) + len(failed) < len(rows):
         print(f"{len(rows) - len(table) - len(failed)} runs have not finished")
-    write_json(out / "sweep.json", {"runs": table + failed, "baseline": baseline})
+    write_json(out / "sweep.json", {"runs": table + failed, "baseline": baseline,
+                                    "summary": summary})
+    (out / "sweep.md").write_text(text + "\n")
     plot_sweep(table, baseline, out / "sweep.png")
-    print(f"sweep in {out}/sweep.json and {out}/sweep.png")
+    print(f"sweep in {out}/sweep.json, {out}/sweep.md and {out}/sweep.png")
 
 
 def plot_curves(results, path):

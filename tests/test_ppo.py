@@ -14,6 +14,7 @@
 
 import copy
 import json
+import math
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ import torch
 import evaluate
 import loaders
 import ppo
+import report
 import reward_model as rm
 from gae import advantages_and_returns, response_mask, shaped_rewards, whiten
 from lora import with_lora
@@ -417,8 +419,11 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
     out = run("ppo.py", "--preset", "tiny", "--reward-model", str(tiny_reward_model),
               "--beta", "0", "0.5", "--seeds", "0", "1", "--iterations", "1",
               "--out", str(tmp_path))
-    assert "reward, worst to best" in out and "(ref)" in out and "human" in out
+    assert "| beta | runs | reward: mean ± SE over seeds | worst to best |" in out
+    assert "| (ref) |" in out and "| human |" in out and "Spearman's rho" in out
+    assert (tmp_path / "sweep.md").read_text().strip() in out
     sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert sweep["summary"]["by_beta"]["0.5"]["runs"] == 2
     assert sorted((r["beta"], r["seed"]) for r in sweep["runs"]) == \
         [(0.0, 0), (0.0, 1), (0.5, 0), (0.5, 1)]
     for r in sweep["runs"]:                              # per-post rows stay in run_dir
@@ -533,3 +538,30 @@ def test_a_failed_run_is_a_row_of_the_sweep(tiny_reward_model, small_data, tmp_p
     assert [(r["beta"], "failed" in r) for r in sweep["runs"]] == [(0.0, False), (0.5, True)]
     ppo.main(argv + ["--resume"])
     assert "beta0.5_seed0: finished before, skipped" in capsys.readouterr().out
+
+
+def test_spearman_on_known_ranks():
+    assert evaluate.ranks([10, 30, 20, 20]) == [1, 4, 2.5, 2.5]
+    assert evaluate.spearman([0, 0.01, 0.1, 0.5, 2], [9, 7, 5, 3, 1]) == pytest.approx(-1)
+    assert evaluate.spearman([1, 2, 3], [1, 4, 9]) == pytest.approx(1)     # monotone, not linear
+    # x ranks 1,2,3,4, y ranks 2,1,4,3: rho = 1 - 6 * 4 / (4 * 15) = 0.6
+    assert evaluate.spearman([1, 2, 3, 4], [5, 1, 9, 7]) == pytest.approx(0.6)
+    assert math.isnan(evaluate.spearman([1, 1, 1], [1, 2, 3]))
+
+
+def test_sweep_summary_on_known_runs():
+    def run(beta, reward, kl):
+        return {"beta": beta, "reward": reward, "kl": kl, "gain_over_ref": reward + 1,
+                "fluency": -reward, "length": 10, "distinct_2": 0.5, "eos_fraction": 1,
+                "copied_bigrams": 0.1, "value_loss_last20": 2}
+    table = [run(0, 1.0, 9), run(0, 2.0, 8), run(0, 3.0, 7), run(2, 0.0, 1), run(2, 0.5, 2)]
+    baseline = {"ref": {"reward": -1.0}, "human": {"reward": 5.0}}
+    summary = report.sweep_summary(table, baseline)
+    zero = summary["by_beta"][0]
+    assert (zero["runs"], zero["reward"], zero["reward_worst"], zero["reward_best"]) == \
+        (3, 2.0, 1.0, 3.0)
+    assert zero["reward_se_seeds"] == pytest.approx(1 / math.sqrt(3))     # sd 1 over 3 seeds
+    assert summary["best_beta"] == 0
+    assert summary["best_fraction_of_ref_to_human"] == pytest.approx((2 - -1) / (5 - -1))
+    # ranks: beta 2,2,2,4.5,4.5 and KL 5,4,3,1,2; centred: (-1,-1,-1,1.5,1.5), (2,1,0,-2,-1)
+    assert summary["spearman_beta_kl"] == pytest.approx(-7.5 / math.sqrt(7.5 * 10))
