@@ -1,4 +1,4 @@
-"""The held-out evaluation's statistics: small pure functions on the samples of `ppo.rollouts`.
+"""The held-out evaluation's statistics: pure functions on the samples of `heldout.rollouts`.
 
 The post reports one number per run, the mean reward on held-out posts. With 32 or 64
 posts that mean has a standard error of the same size as the gains between settings,
@@ -19,10 +19,10 @@ Across the runs of a sweep (report.report_sweep):
     spearman         Spearman's rank correlation, e.g. of beta with the final KL: the
                      Pearson correlation of the ranks, tied values sharing their mean rank
 
-Nothing here runs a model: `ppo.rollouts` samples and scores, these functions count.
-The sampling stays in ppo.py because it needs `generate`, `score` and `fluency`.
+Nothing here runs a model: `heldout.rollouts` samples and scores, these functions count.
 
-Used by: ppo.py.  Test: pytest tests/test_ppo.py -k "eos or bigram or gain or summarize"
+Used by: heldout.py, report.py.
+Test: pytest tests/test_ppo.py -k "eos or bigram or gain or summarize or spearman"
 """
 
 import math
@@ -36,7 +36,7 @@ def copied_bigrams(summary_ids, prompt_ids):
     """Fraction of the summary's token-id bigrams (counted with repeats) that also occur
     as a bigram in the prompt; 0.0 for a summary of fewer than 2 tokens.
 
-    Both are lists of ids with no padding. ppo.rollouts passes the summary without its
+    Both are lists of ids with no padding. heldout.rollouts passes the summary without its
     final EOS, so that a summary which ends is not counted as less copied.
     """
     pairs = list(zip(summary_ids, summary_ids[1:]))

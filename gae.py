@@ -26,7 +26,9 @@ Deviations from the post (each is repeated at the line that makes it):
   3. Whitening averages over real tokens only; the post's `advantage.std()` also counts
      padding. Like the post we use the unbiased (n-1) std and divide by (std + eps).
 Additions the post does not have (it uses k1 and a fixed beta): the k3 KL estimator and
-the adaptive beta controller of Ziegler et al., both used by `ppo.py` when asked.
+the adaptive beta controller of Ziegler et al., both used by `ppo.py` when asked; and the
+estimators of the PPO/RLOO note that treat a response as one action (`rloo_advantages`,
+`reinforce_advantages`, `grpo_advantages`, used by `ppo.py --estimator`).
 
 Empty inputs: a mask with no real token raises ValueError wherever an average or a
 "last token" would be needed (`masked_mean`, `whiten`, `last_token_index`,
@@ -169,6 +171,105 @@ def whiten(x, mask, shift_mean=True, eps=1e-6):
     if not shift_mean:
         out = out + mean                                # (B, T)
     return torch.where(m, out, torch.zeros_like(out))   # (B, T) padded positions stay 0
+
+
+# ------------------------------------------- the response as one action (the PPO/RLOO note)
+# Every token before the last earns only its KL penalty, so the note treats a response as one
+# action with one reward, a bandit, and estimates its advantage from other samples instead of
+# a value model. ppo.py spreads A_i over the response's real tokens and feeds the same clipped
+# loss (8)-(10), summed over tokens and averaged over responses; at r = 1 its gradient is
+# -(1/N) sum_i A_i grad log pi(y_i | x_i), the REINFORCE gradient.
+# Ahmadian et al. 2024, arXiv:2402.14740 (RLOO, REINFORCE with a moving-average baseline);
+# Shao et al. 2024, arXiv:2402.03300, sec. 4.1 (GRPO); Liu et al. 2025, arXiv:2503.20783
+# (Dr. GRPO: GRPO's 1/|y_i| and 1/std terms are biased; dropping both removes the bias).
+ESTIMATORS = ("gae", "rloo", "reinforce", "grpo")
+
+
+def sequence_rewards(score, kl, mask, beta):
+    """R(x, y) = r_phi(x, y) - beta sum_t KL_t over the response's real tokens. (B,)"""
+    # R(x, y) = r(x, y) - beta sum_t D_KL^(t)      (the note's bandit view of eq. (3))
+    return score - beta * torch.where(mask.bool(), kl, 0.0).sum(-1)
+
+
+def _group_sums(x, group):
+    """(sum of x over each row's group, the group's size), both per row. x, group: (B,)"""
+    size = torch.zeros(int(group.max()) + 1, dtype=x.dtype, device=x.device)
+    total = torch.zeros_like(size)
+    size.index_add_(0, group, torch.ones_like(x))
+    total.index_add_(0, group, x)
+    return total[group], size[group]                                  # (B,), (B,)
+
+
+def rloo_advantages(R, group):
+    """REINFORCE leave-one-out: each sample's baseline is the mean of the other k - 1
+    samples of its prompt. R (B,) sequence rewards; group (B,) the prompt of each row, in
+    any order. Needs k >= 2 samples in every group. (B,)
+
+    For k = 2 the advantages are +-(R(y+) - R(y-)), and the loss is the note's contrastive
+    form (`rloo_pair_objective`).
+    """
+    total, k = _group_sums(R, group)
+    if (k < 2).any():
+        raise ValueError("rloo_advantages: every prompt needs at least 2 samples")
+    # A_i = R_i - 1/(k-1) sum_{j != i} R_j
+    return R - (total - R) / (k - 1)
+
+
+def rloo_pair_objective(R, logp):
+    """The note's two-sample form, maximised: 1/2 (R(y+) - R(y-)) (log pi(y+|x) - log pi(y-|x)).
+    R, logp: (2,) the two samples' sequence rewards and sequence log-probs; either order."""
+    # 1/2 (R(y+) - R(y-)) (log pi_theta(y+|x) - log pi_theta(y-|x))
+    return 0.5 * (R[0] - R[1]) * (logp[0] - logp[1])
+
+
+def grpo_advantages(R, group, unbiased=False, eps=1e-6):
+    """GRPO's group-normalised advantage: (R_i - mean_g) / (std_g + eps) over the samples of
+    a prompt (std with n - 1). With `unbiased` (Dr. GRPO) only R_i - mean_g. A group whose
+    rewards are all equal gives zeros. R, group: (B,) -> (B,)"""
+    total, k = _group_sums(R, group)
+    centred = R - total / k                                           # (B,)
+    if unbiased:
+        # A_i = R_i - mean_j R_j                                     (Dr. GRPO)
+        return centred
+    squares, _ = _group_sums(centred ** 2, group)
+    std = (squares / (k - 1).clamp(min=1)).sqrt()
+    # A_i = (R_i - mean_j R_j) / (std_j R_j + eps)                  (Shao et al.)
+    return centred / (std + eps)
+
+
+def reinforce_advantages(R, baseline, decay=0.9):
+    """REINFORCE with a moving-average baseline: A_i = R_i - b, then
+    b <- decay b + (1 - decay) mean_i R_i. `baseline` None (the first batch) starts b at
+    this batch's mean. Returns (A (B,), the next baseline, a float)."""
+    mean = R.mean().item()
+    b = mean if baseline is None else baseline
+    # A_i = R_i - b_t;   b_{t+1} = decay b_t + (1 - decay) mean_i R_i
+    return R - b, decay * b + (1 - decay) * mean
+
+
+def sequence_advantages(estimator, R, group, baseline=None, decay=0.9, unbiased=False):
+    """A_i for --estimator rloo, reinforce or grpo, and the next REINFORCE baseline (the
+    others pass `baseline` through). R, group: (B,) -> ((B,), baseline)"""
+    if estimator == "rloo":
+        return rloo_advantages(R, group), baseline
+    if estimator == "reinforce":
+        return reinforce_advantages(R, baseline, decay)
+    if estimator == "grpo":
+        return grpo_advantages(R, group, unbiased), baseline
+    raise ValueError(f"sequence_advantages: estimator must be rloo, reinforce or grpo, "
+                     f"got {estimator!r}")
+
+
+def per_token(adv, mask, length_normalise=False):
+    """A sequence's advantage on each of its real tokens, 0 after its EOS. adv (B,) -> (B, T).
+
+    `length_normalise` divides by the response's length |y_i|: GRPO's per-sequence average
+    of its tokens' terms, folded into A (the clipped term is linear in A > 0 or A < 0 alike).
+    """
+    m = mask.bool()
+    if length_normalise:
+        adv = adv / m.sum(-1).clamp(min=1)
+    return torch.where(m, adv[:, None], 0.0)
 
 
 # ---------------------------------------------------------------- adaptive beta (Ziegler)

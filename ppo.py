@@ -47,6 +47,13 @@ Departures from the post, each repeated at its line:
     8. The reward is the reward model's content score f, with its learned length term
        w g(length) left out (reward_model.py): a run that maximised the whole score ran
        every sample to the 48-token limit. `--reward full` maximises f + w g(length).
+    9. Other estimators, off by default (the PPO/RLOO note, gae.py): `--estimator rloo`,
+       `reinforce` or `grpo` treat a response as one action with reward
+       R = score - beta sum_t KL_t and take its baseline from other samples
+       (`--samples-per-prompt k`), not from a value head (there is none). A_i is spread
+       over the response's real tokens, not whitened, and fed to the same clipped loss
+       (8)-(10). For PPO itself, `--value-clip`, `--value-init` and `--whiten-rewards` add
+       the note's value-loss clipping, value head from the reward model, reward whitening.
 
 Papers: PPO, Schulman et al. 2017, arXiv:1707.06347 (sec. 3, 5); GAE, Schulman et
 al. 2015, arXiv:1506.02438; Ziegler et al. 2019, arXiv:1909.08593 (sec. 2.2, the
@@ -54,7 +61,8 @@ KL reward and adaptive beta); Stiennon et al. 2020, arXiv:2009.01325 (TL;DR);
 InstructGPT, Ouyang et al. 2022, arXiv:2203.02155 (eq. 2, the ptx term).
 
 Run:   python reward_model.py && python ppo.py --beta 0
-Sweep: python ppo.py --beta 0 0.01 0.1 0.5 2.0 --seeds 0 1 2
+Sweep: python ppo.py --beta 0 0.01 0.1 0.5 2.0 --seeds 0 1 2      (--resume continues it)
+RLOO:  python ppo.py --estimator rloo --samples-per-prompt 4 --beta 0.1
 Test:  pytest tests/test_ppo.py
 """
 
@@ -81,14 +89,12 @@ import cli  # noqa: E402
 import kernels  # noqa: E402
 import loaders  # noqa: E402
 import reward_model as rm  # noqa: E402
-from evaluate import (copied_bigrams, paired_gain, per_post, standard_error,
-                      summarize)
-from report import (check_run_folders, checkpoint_iteration, finished_row, has_checkpoint,
-                    load_baseline, load_checkpoint, peak_memory_gb, plot_curves, print_gain,
-                    print_row, print_row_header, print_samples, record_failure, report_sweep,
-                    save_checkpoint, write_json)
-from gae import (AdaptiveKLController, advantages_and_returns, ended_with_eos, kl_per_token,
-                 response_mask, shaped_rewards, whiten)
+from report import (check_run_folders, checkpoint_iteration, finished_row, git_commit,
+                    has_checkpoint, load_checkpoint, peak_memory_gb, record_failure,
+                    report_sweep, save_checkpoint, write_json)
+from gae import (ESTIMATORS, AdaptiveKLController, advantages_and_returns, ended_with_eos,
+                 kl_per_token, per_token, response_mask, sequence_advantages,
+                 sequence_rewards, shaped_rewards, whiten)
 from loaders import option
 from lora import with_lora
 
@@ -120,6 +126,21 @@ class Config:
                                   "Ziegler et al.'s controller; --beta is the start")
     kl_estimator: str = option("k1", "per-token KL estimate for the penalty: k1 (the post) or k3")
     missing_eos_penalty: float = option(None, "if set, the score of a response with no EOS")
+    estimator: str = option("gae", "the advantage: gae (the post: GAE with a value head), or "
+                            "the response as one action with other samples as the baseline "
+                            "(the PPO/RLOO note; no value head): rloo, reinforce, grpo")
+    samples_per_prompt: int = option(1, "k, responses sampled per prompt: a batch holds "
+                                        "--batch x k responses; rloo and grpo need k >= 2")
+    grpo_unbiased: bool = option(False, "grpo: Dr. GRPO's advantage, R - group mean, with "
+                                        "neither the 1/std nor the 1/length of GRPO")
+    reinforce_decay: float = option(0.9, "reinforce: decay of the moving-average baseline")
+    value_clip: float = option(None, "gae: clip the value loss at this eps_v around the old "
+                                     "values (Ziegler, Stiennon: 0.2 with --vf-coef 0.1)")
+    value_init: str = option("post", "gae: the value head's start: post (nn.Linear's default "
+                                     "init, as the post), zero, or reward (the reward model's "
+                                     "head, as Stiennon et al.)")
+    whiten_rewards: bool = option(False, "gae: scale the shaped rewards to unit variance "
+                                         "before GAE (Stiennon et al.)")
     reward: str = option(rm.DEFAULT_PART, "which reward-model score PPO maximises: content = "
                          "f, the content score with length partialled out (default: the length "
                          "term is what an earlier run hacked, running every sample to the "
@@ -143,7 +164,8 @@ class Config:
 # Flags with a fixed set of values, and every numeric flag's range (cli.py): both are
 # checked right after parsing, before anything loads; a bad value exits with one line.
 CHOICES = {"preset": ("auto", "blog", "cpu", "tiny"), "reward": rm.PARTS,
-           "kl_estimator": ("k1", "k3"), "precision": ("fp32", "bf16", "auto")}
+           "kl_estimator": ("k1", "k3"), "precision": ("fp32", "bf16", "auto"),
+           "estimator": ESTIMATORS, "value_init": ("post", "zero", "reward")}
 RANGES = {
     "beta": cli.NON_NEGATIVE, "seeds": cli.NON_NEGATIVE, "iterations": cli.COUNT,
     "batch": cli.COUNT, "prompt_tokens": cli.Range(loaders.PROMPT_TEMPLATE_TOKENS),
@@ -157,16 +179,12 @@ RANGES = {
     "ent_coef": cli.NON_NEGATIVE, "ptx_coef": cli.NON_NEGATIVE, "target_kl": cli.POSITIVE,
     "missing_eos_penalty": cli.FINITE, "micro_batch": cli.COUNT,
     "eval_prompts": cli.Range(1, loaders.EVAL_RESERVE), "checkpoint_every": cli.COUNT,
+    "samples_per_prompt": cli.COUNT, "reinforce_decay": cli.UNIT, "value_clip": cli.POSITIVE,
 }
 # What --resume may change; any other setting that differs from the checkpoint's is an error
 # (unless --force): a run continued with another beta or seed is no run at all.
 RESUME_MAY_CHANGE = ("iterations", "checkpoint_every", "eval_prompts", "micro_batch", "out",
                      "resume", "force", "seeds")
-# The settings that decide the reference's held-out samples and the human rows: a resumed
-# sweep reuses its stored ones only when these agree.
-BASELINE_KEY = ("model", "reward_model", "reward", "data_dir", "preset", "prompt_tokens",
-                "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts", "batch",
-                "precision")
 
 PRESETS = {
     # The post's hyperparameters, for a GPU or Apple silicon. Micro-batches of 4 give the same
@@ -223,8 +241,18 @@ def parse_args(argv=None):
             parser.error(problem)
     if cfg.precision == "auto":
         cfg.precision = "bf16" if native_bf16(loaders.pick_device()) else "fp32"
-    if cfg.batch % cfg.micro_batch:
-        cfg.micro_batch = math.gcd(cfg.batch, cfg.micro_batch)
+    if cfg.estimator in ("rloo", "grpo") and cfg.samples_per_prompt < 2:
+        parser.error(f"argument --samples-per-prompt: --estimator {cfg.estimator} needs at "
+                     f"least 2 samples per prompt, got {cfg.samples_per_prompt}")
+    gae_only = [flag for flag, on in (("--value-clip", cfg.value_clip is not None),
+                                      ("--value-init", cfg.value_init != "post"),
+                                      ("--whiten-rewards", cfg.whiten_rewards)) if on]
+    if cfg.estimator != "gae" and gae_only:
+        parser.error(f"argument {gae_only[0]}: applies to --estimator gae only (there is no "
+                     f"value head with --estimator {cfg.estimator})")
+    responses = cfg.batch * cfg.samples_per_prompt
+    if responses % cfg.micro_batch:
+        cfg.micro_batch = math.gcd(responses, cfg.micro_batch)
     return cfg
 
 
@@ -396,12 +424,29 @@ def score(reward, prompt_ids, prompt_mask, actions, mask, missing_eos_penalty=No
 def fluency(reference, sequences, attention_mask, actions, mask, temperature=1.0):
     """The reference model's total log-probability of each summary, (B,), real tokens only.
 
-    (Given another model, its own total log-probability: `rollouts` uses that for the KL.)"""
+    (Given another model, its own total log-probability: `heldout.rollouts` uses that for
+    the KL.)"""
     logp_ref = token_log_probs(reference, sequences, attention_mask, actions, temperature)
     return torch.where(mask.bool(), logp_ref, 0.0).sum(-1)
 
 
 # ------------------------------------------------------------- the policy and values
+
+def init_value_head(value_head, how, reward):
+    """The value head's start (--value-init): `post` leaves nn.Linear's default init (the
+    post's); `zero` sets V = 0; `reward` copies the reward model's content head, weight and
+    bias plus its normalisation shift (the note: sensible early values and so early policy
+    gradients). The policy's hidden states lack the reward model's adapter, so that V(s_t)
+    is only near the content score of the prefix s_t."""
+    with torch.no_grad():
+        if how == "zero":
+            value_head.project.weight.zero_()
+            value_head.project.bias.zero_()
+        elif how == "reward":
+            value_head.project.weight.copy_(reward.head.weight)
+            value_head.project.bias.copy_(reward.head.bias + reward.bias)
+    return value_head
+
 
 class ValueHead(nn.Module):
     """The fourth model. One scalar per state: what this position is worth."""
@@ -428,19 +473,22 @@ def policy_forward(policy, value_head, sequences, attention_mask, actions, tempe
         out = kernels.gather_log_probs_from_hidden(hidden, policy.lm_head.weight, actions,
                                                    temperature, return_entropy=with_entropy)
         logp, entropy = out if with_entropy else (out, None)    # (B, T) each
-        return logp, value_head(hidden), entropy                # values (B, T)
+        values = value_head(hidden) if value_head else None     # (B, T); none without a head
+        return logp, values, entropy
 
 
 # ---------------------------------------------------------------------------- losses
 
 def ppo_losses(logp, logp_old, adv, values, ret, mask, clip, entropy=None, n_seq=None,
-               n_tok=None):
+               n_tok=None, values_old=None, value_clip=None):
     """Eq. (8)-(12) for one (micro-)batch: the clipped policy loss, the value loss, and
     the entropy term, each a scalar, plus the clip statistics.
 
     in:  logp, logp_old, adv, values, ret, mask, entropy: (b, T); n_seq and n_tok, the
          sequences and real tokens of the whole batch, so that the micro-batches of one
-         batch add up to exactly the full-batch losses (defaults: this batch's own)
+         batch add up to exactly the full-batch losses (defaults: this batch's own).
+         values None: no value head (--estimator rloo, reinforce, grpo), value loss 0.
+         value_clip: eps_v of the clipped value loss, around values_old (b, T).
     """
     b, m = logp.shape[0], mask.bool()
     n_seq = n_seq or b
@@ -451,8 +499,15 @@ def ppo_losses(logp, logp_old, adv, values, ret, mask, clip, entropy=None, n_seq
     #      post's `-clipped.sum(-1).mean()` (departure 1: padding masked out)
     policy_loss, stats = kernels.masked_clipped_loss(logp, logp_old, adv, mask, clip)
     policy_loss = policy_loss * (b / n_seq)                     # this micro-batch's share
-    # (11) L_value = E_t[(V(s_t) - R_t)^2]       (departure 5: mean over real tokens)
-    value_loss = torch.where(m, (values - ret) ** 2, 0.0).sum() / n_tok
+    value_loss = torch.zeros((), device=logp.device)
+    if values is not None:
+        # (11) L_value = E_t[(V(s_t) - R_t)^2]       (departure 5: mean over real tokens)
+        error = (values - ret) ** 2                             # (b, T)
+        if value_clip is not None:              # Ziegler, Stiennon: the larger of the two
+            # V_clip = V_old + clip(V - V_old, -eps_v, eps_v); E_t[max((V-R)^2, (V_clip-R)^2)]
+            clipped = values_old + (values - values_old).clamp(-value_clip, value_clip)
+            error = torch.maximum(error, (clipped - ret) ** 2)
+        value_loss = torch.where(m, error, 0.0).sum() / n_tok
     # (12) L_ent = -E_t[H(pi_theta(. | s_t))]
     ent_loss = (-torch.where(m, entropy, 0.0).sum() / n_tok if entropy is not None
                 else torch.zeros((), device=logp.device))
@@ -533,21 +588,33 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
     # without a second copy of the weights (both are frozen, only the adapter trains).
     policy = with_lora(copy.deepcopy(reference, memo={id(p): p for p in reference.parameters()}))
     policy.eval()                               # dropout off in every pass, training ones too
-    value_head = ValueHead(reference.config.hidden_size).to(device)
+    value_head = None                           # rloo, reinforce, grpo: other samples instead
+    if cfg.estimator == "gae":
+        value_head = init_value_head(ValueHead(reference.config.hidden_size).to(device),
+                                     cfg.value_init, reward)
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.lr},
-         {"params": value_head.parameters(), "lr": cfg.value_lr}])
+        [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.lr}]
+        + ([{"params": value_head.parameters(), "lr": cfg.value_lr}] if value_head else []))
+    if value_head is None:
+        print(f"--estimator {cfg.estimator}: no value head, no value loss; the baseline is "
+              + {"rloo": "the other samples of the same prompt",
+                 "reinforce": "a moving average of the rewards",
+                 "grpo": "the mean of the prompt's samples"}[cfg.estimator])
+    k, reinforce_baseline = cfg.samples_per_prompt, None
     controller = AdaptiveKLController(beta, cfg.target_kl) if cfg.target_kl else None
+    # `commits`: the code of every process that wrote iterations here (a resumed run has two)
     results = {"config": {**dataclasses.asdict(cfg), "beta": beta, "seed": seed},
-               "iterations": [], "final": None}
+               "commits": [git_commit()], "iterations": [], "final": None}
     start = 0
     if cfg.resume and has_checkpoint(run_dir):
-        start, beta = load_checkpoint(run_dir, policy, value_head, optimizer)
+        start, beta, reinforce_baseline = load_checkpoint(run_dir, policy, value_head,
+                                                          optimizer)
         if controller:
             controller.beta = beta
         with cli.reading(Path(run_dir) / "results.json", "the results of the run to resume"):
             old = json.loads((Path(run_dir) / "results.json").read_text())
         results["iterations"] = old["iterations"][:start]
+        results["commits"] = old.get("commits", []) + results["commits"]
         print(f"resumed {run_dir} at iteration {start}")
     else:                                       # --force: another run's checkpoint goes
         shutil.rmtree(Path(run_dir) / "checkpoint", ignore_errors=True)
@@ -556,8 +623,9 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
                disable=not progress, initial=start, total=cfg.iterations)
     for iteration in bar:
         timer, t0 = {}, time.perf_counter()
-        # ---- 1. generate: sample a summary for each post with the current policy
-        posts = batch_for(pool, iteration, cfg.batch, seed)
+        # ---- 1. generate: sample k summaries for each post with the current policy
+        posts = [p for p in batch_for(pool, iteration, cfg.batch, seed) for _ in range(k)]
+        group = torch.arange(cfg.batch, device=device).repeat_interleave(k)  # (B,) its post
         prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in posts], device)
         with precision(cfg, device):
             sequences, actions = generate(policy, prompt_ids, prompt_mask, cfg, eos)
@@ -583,19 +651,34 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
             for rows, first in groups:                  # the inner step's groups and shapes
                 seq, att, act = sequences[rows, first:], attention[rows, first:], actions[rows]
                 with precision(cfg, device):
-                    logp_old[rows], values[rows], _ = policy_forward(policy, value_head, seq,
-                                                                     att, act, cfg.temperature)
+                    logp_old[rows], v, _ = policy_forward(policy, value_head, seq, att, act,
+                                                          cfg.temperature)
                     logp_ref[rows] = token_log_probs(reference, seq, att, act, cfg.temperature)
+                if v is not None:                       # gae only; the others keep zeros
+                    values[rows] = v
             # ---- 4. shaped reward (3)-(4), then GAE (5)-(6) and returns (7)
             # (4)  D_KL^(t) ~= log pi_old(a_t|s_t) - log pi_ref(a_t|s_t)   (k1; k3 if asked)
             kl = kl_per_token(logp_old, logp_ref, cfg.kl_estimator)         # (B, T)
             current_beta = controller.beta if controller else beta
             # (3)  r_t = -beta D_KL^(t) + 1{t=T} r_score, T each response's last real token
             rewards = shaped_rewards(logp_old, logp_ref, scores, current_beta, mask, kl=kl)
-            # (5)-(7)  delta_t, A_t = sum_l (gamma lam)^l delta_{t+l}, R_t = A_t + V(s_t)
-            adv, ret = advantages_and_returns(rewards, values, mask, cfg.gamma,
-                                              cfg.lam)                      # (B, T) each
-            adv = whiten(adv, mask)                     # (B, T) over real tokens only
+            if cfg.estimator == "gae":
+                if cfg.whiten_rewards:                  # Stiennon et al.: rescaled, not shifted
+                    rewards = whiten(rewards, mask, shift_mean=False)
+                # (5)-(7)  delta_t, A_t = sum_l (gamma lam)^l delta_{t+l}, R_t = A_t + V(s_t)
+                adv, ret = advantages_and_returns(rewards, values, mask, cfg.gamma,
+                                                  cfg.lam)                  # (B, T) each
+                adv = whiten(adv, mask)                 # (B, T) over real tokens only
+            else:                                       # the response as one action (gae.py)
+                # R(x, y) = r_phi(x, y) - beta sum_t D_KL^(t), its baseline from other samples
+                R = sequence_rewards(scores, kl, mask, current_beta)            # (B,)
+                adv, reinforce_baseline = sequence_advantages(
+                    cfg.estimator, R, group, reinforce_baseline, cfg.reinforce_decay,
+                    cfg.grpo_unbiased)                                          # (B,)
+                # A_i on each real token, not whitened; GRPO averages a response's tokens
+                adv = per_token(adv, mask, length_normalise=cfg.estimator == "grpo"
+                                and not cfg.grpo_unbiased)                      # (B, T)
+                ret = None                              # no value head to fit
             check_finite(iteration, reward=rewards, advantage=adv)
         timer["forward"] = time.perf_counter() - t
 
@@ -615,16 +698,18 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
                 if step == 0:                           # the post's probe, before any gradient
                     # (8) r_t = exp(logp - logp_old) on real tokens: exactly 1 before a step
                     ratios += check_ratio((logp - logp_old[rows]).exp().detach()[mask[rows].bool()])
-                pl, vl, el, stats = ppo_losses(logp, logp_old[rows], adv[rows], v, ret[rows],
-                                               mask[rows], cfg.clip, entropy, cfg.batch, n_tok)
+                pl, vl, el, stats = ppo_losses(logp, logp_old[rows], adv[rows], v,
+                                               None if ret is None else ret[rows], mask[rows],
+                                               cfg.clip, entropy, len(posts), n_tok,
+                                               values[rows], cfg.value_clip)
                 # (14) L_total = L_policy + c_v L_value + c_ent L_ent + c_ptx L_ptx
                 loss = pl + cfg.vf_coef * vl + cfg.ent_coef * el
                 if cfg.ptx_coef:                        # (13) on these posts' human TL;DRs
                     with precision(cfg, device):
                         lm = ptx_loss(policy, tokenizer, [posts[r] for r in rows.tolist()],
                                       device, cfg.temperature)
-                    loss = loss + cfg.ptx_coef * lm * (len(rows) / cfg.batch)
-                    log["ptx_loss"] += lm.item() * len(rows) / cfg.batch
+                    loss = loss + cfg.ptx_coef * lm * (len(rows) / len(posts))
+                    log["ptx_loss"] += lm.item() * len(rows) / len(posts)
                 check_finite(iteration, loss=loss)
                 loss.backward()
                 share = mask[rows].sum().item() / n_tok.item()      # this part's real tokens
@@ -654,7 +739,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         write_json(Path(run_dir) / "results.json", results)
         if (iteration + 1) % cfg.checkpoint_every == 0 or iteration + 1 == cfg.iterations:
             save_checkpoint(run_dir, iteration, policy, value_head, optimizer,
-                            controller.beta if controller else beta)
+                            controller.beta if controller else beta, reinforce_baseline)
         bar.set_postfix(reward=f"{row['reward']:.2f}", kl=f"{row['kl']:.2f}",
                         len=f"{row['response_length']:.1f}", ratio=f"{ratio_max:.4f}")
     return policy, value_head, results
@@ -666,8 +751,11 @@ def iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mas
     m = mask.bool()
     per_seq_kl = torch.where(m, kl, 0.0).sum(-1)                 # (B,) summed over tokens
     non_score = torch.where(m, rewards, 0.0).sum(-1) - scores    # (B,) the -beta KL part
-    residual = (ret - values)[m]                                 # (N,) real tokens
-    explained = 1 - residual.var(correction=0) / ret[m].var(correction=0).clamp(min=1e-12)
+    explained = None                                             # no value head
+    if ret is not None:
+        residual = (ret - values)[m]                             # (N,) real tokens
+        explained = (1 - residual.var(correction=0)
+                     / ret[m].var(correction=0).clamp(min=1e-12)).item()
 
     def avg(key):                                               # over the inner steps
         return sum(log[key] for log in logs) / len(logs)
@@ -679,41 +767,8 @@ def iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mas
             "entropy": avg("entropy"), "clipfrac": avg("clipfrac"),
             "approx_kl": avg("approx_kl"), "value_loss": avg("value_loss"),
             "policy_loss": avg("policy_loss"), "ptx_loss": avg("ptx_loss"),
-            "explained_variance": explained.item(),
+            "explained_variance": explained,
             "ratio_min": ratio_min, "ratio_max": ratio_max, "beta": beta}
-
-
-# ------------------------------------------------------------------------ evaluation
-
-@torch.no_grad()
-def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
-    """Sample on `posts` in batches; per sample (in the order of `posts`): reward (the
-    --reward score), fluency, KL, length, eos, copied_bigrams, ids and text (evaluate.py)."""
-    eos, out = tokenizer.eos_token_id, []
-    for i in tqdm(range(0, len(posts), cfg.batch), desc="held-out samples", unit="batch",
-                  leave=False):
-        chunk = posts[i:i + cfg.batch]
-        prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in chunk], device)
-        with precision(cfg, device):
-            sequences, actions = generate(model, prompt_ids, prompt_mask, cfg, eos)
-            mask = response_mask(actions, eos)
-            attention = full_mask(prompt_mask, actions)
-            scores = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos,
-                           part=cfg.reward)                                          # (b,)
-            flu = fluency(reference, sequences, attention, actions, mask, cfg.temperature)  # (b,)
-            # KL of a summary: sum_t logp - logp_ref = (its log-prob under `model`) - fluency
-            own = flu if model is reference else fluency(model, sequences, attention, actions,
-                                                         mask, cfg.temperature)       # (b,)
-        m, ended = mask.bool(), ended_with_eos(actions, mask, eos)                    # (b, T), (b,)
-        for b in range(len(chunk)):
-            ids = actions[b][m[b]].tolist()
-            words = ids[:-1] if ended[b] else ids               # the summary without its EOS
-            post = prompt_ids[b][prompt_mask[b].bool()].tolist()   # its prompt, no padding
-            out.append({"reward": scores[b].item(), "fluency": flu[b].item(),
-                        "kl": (own[b] - flu[b]).item(), "length": len(ids), "ids": ids,
-                        "eos": bool(ended[b]), "copied_bigrams": copied_bigrams(words, post),
-                        "text": tokenizer.decode(ids, skip_special_tokens=True)})
-    return out
 
 
 # ---------------------------------------------------------------------------- main
@@ -753,6 +808,7 @@ def main(argv=None):
     pool, held_out = load_prompts(cfg, tokenizer, posts)
     models = (reference, reward, tokenizer, device)
 
+    from heldout import evaluate_run, reference_and_human  # it imports this file: not at the top
     folder = Path(cfg.out or "runs/ppo_sweep") if len(plan) > 1 else plan[0][2]
     base = reference_and_human(cfg, models, held_out, folder)
 
@@ -764,7 +820,6 @@ def main(argv=None):
         start = checkpoint_iteration(run_dir) if cfg.resume else 0
         # A run that fails before its first checkpoint leaves no folder behind.
         with cli.new_folders(run_dir, keep=has_checkpoint):
-            write_json(folder / "baseline.json", base)
             try:
                 policy, _, results = train(cfg, beta, seed, models, pool, run_dir)
             except NonFiniteError as error:
@@ -774,6 +829,7 @@ def main(argv=None):
                 record_failure(run_dir, {**dataclasses.asdict(cfg), "beta": beta,
                                          "seed": seed}, error)
                 continue
+        write_json(folder / "baseline.json", base)      # for a resumed sweep to read back
         evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir)
         trained += cfg.iterations - start
         left = sum(not finished_row(d, cfg.iterations) for _, _, d in plan[k + 1:])
@@ -786,68 +842,6 @@ def main(argv=None):
                      folder)
 
 
-def reference_and_human(cfg, models, held_out, folder):
-    """The floor and the ceiling on the held-out posts: the untrained model's samples and
-    people's TL;DRs, scored. Once per sweep: `folder`/baseline.json keeps them, and a
-    resumed sweep reads them back when the settings that made them (BASELINE_KEY) agree."""
-    reference, reward, tokenizer, device = models
-    key = {k: getattr(cfg, k) for k in BASELINE_KEY}
-    stored = load_baseline(folder / "baseline.json", key) if cfg.resume else None
-    if stored:
-        print(f"reference and human rows: from {folder / 'baseline.json'}")
-        return stored
-    torch.manual_seed(10_000)
-    ref_samples = rollouts(reference, reference, reward, tokenizer, held_out, cfg, device)
-    with precision(cfg, device):
-        human = rm.score_texts(reward, tokenizer, [p["prompt"] for p in held_out],
-                               [p["summary"] for p in held_out], part=cfg.reward).float()
-    human = [{"reward": r, "text": p["summary"]} for r, p in zip(human.tolist(), held_out)]
-    baseline = {"ref": summarize(ref_samples),
-                "human": {"reward": sum(h["reward"] for h in human) / len(human),
-                          "reward_se": standard_error([h["reward"] for h in human])}}
-    # Per post, once per results.json (the policy's rows also carry ref_reward).
-    baseline_posts = {"ref_samples": per_post(ref_samples, ("length", "eos", "copied_bigrams",
-                                                            "text")),
-                      "human_samples": per_post(human, ("text",))}
-    print(f"reference: reward {baseline['ref']['reward']:.2f} ± {baseline['ref']['reward_se']:.2f}"
-          f", fluency {baseline['ref']['fluency']:.1f}; human TL;DRs: reward "
-          f"{baseline['human']['reward']:.2f} ± {baseline['human']['reward_se']:.2f}")
-    return {"key": key, "baseline": baseline, "baseline_posts": baseline_posts,
-            "ref_samples": ref_samples}
-
-
-def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir):
-    """The trained policy on the held-out posts, against the reference and people: the
-    final entry of results.json, curves.png, the post's table rows and a few samples."""
-    reference, reward, tokenizer, device = models
-    ref_samples, baseline = base["ref_samples"], base["baseline"]
-    torch.manual_seed(10_000 + seed)
-    samples = rollouts(policy, reference, reward, tokenizer, held_out, cfg, device)
-    # Paired over the held-out posts: d_i = r_policy,i - r_ref,i (evaluate.py)
-    gain, gain_se = paired_gain([s["reward"] for s in samples],
-                                [s["reward"] for s in ref_samples])
-    last20 = results["iterations"][-20:]
-    final = {**summarize(samples), "gain_over_ref": gain, "gain_over_ref_se": gain_se,
-             "ref": baseline["ref"], "human": baseline["human"],
-             "value_loss_last20": sum(r["value_loss"] for r in last20) / len(last20),
-             "samples": per_post(samples, ("length", "eos", "copied_bigrams", "kl", "text"),
-                                 ref_samples),
-             **base["baseline_posts"]}
-    results["final"] = final
-    write_json(run_dir / "results.json", results)
-    plot_curves(results, run_dir / "curves.png")
-    print_row_header()
-    print_row(f"{beta:g}", final)
-    print_row("(ref)", baseline["ref"])
-    print_row("human", baseline["human"])
-    print_gain(final)
-    print_samples(samples, held_out, f"beta={beta:g} seed={seed}: held-out samples")
-    if beta == 0:
-        ranked = sorted(zip(samples, held_out), key=lambda sp: -sp[0]["reward"])
-        print_samples([s for s, _ in ranked], [p for _, p in ranked],
-                      "beta=0: the highest-reward samples (watch KL and length)")
-    print(f"results in {run_dir}/results.json, curves in {run_dir}/curves.png")
-
-
 if __name__ == "__main__":
-    cli.run_script(main)
+    import ppo                  # run as the module `ppo`, the one heldout.py imports
+    cli.run_script(ppo.main)

@@ -1,15 +1,19 @@
 """What a PPO run leaves behind: results, checkpoints, plots and the post's table.
 
 Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
+    git_commit            the code's version, recorded in results.json
     write_json            results.json, written aside and renamed (never half-written)
     publish               the same for a folder (reward_model.py's output, checkpoints)
     check_run_folders     before a run: --resume finds its checkpoint and settings, and a
                           new run does not write over an old one
+    finished_row, record_failure, load_baseline     what a resumed sweep reads back: runs
+                          that are over (or failed), and the reference and human rows
     save_checkpoint       adapter, value head, AdamW moments and the RNG, as safetensors,
     load_checkpoint       so that `ppo.py --resume` continues a killed run exactly
     peak_memory_gb        CUDA's allocator peak, or the process's peak resident memory
-    print_row, print_gain, print_samples, report_sweep    the post's table (each reward
-                          with its standard error, the paired gain over the reference) and samples
+    print_row, print_gain, print_samples    one run's rows of the post's table (each reward
+                          with its standard error, the paired gain over the reference)
+    sweep_summary, sweep_markdown, report_sweep     the sweep's table, per beta over seeds
     plot_curves, plot_sweep                   curves.png and sweep.png
 
 Used by: ppo.py (tests: tests/test_ppo.py, resume and sweep end to end).
@@ -20,6 +24,7 @@ import math
 import os
 import resource
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -32,6 +37,21 @@ from lora import AdapterMismatch, load_adapter, save_adapter
 
 
 # ------------------------------------------------------------------ files, checkpoints
+
+def git_commit():
+    """This checkout's commit, '-dirty' when tracked files differ from it; None outside git."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=30)
+    try:
+        head, status = git("rev-parse", "--short=12", "HEAD"), git("status", "--porcelain",
+                                                                    "--untracked-files=no")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+
 
 def write_json(path, obj):
     """Write JSON next to `path` and rename it into place: never half-written."""
@@ -135,11 +155,14 @@ def load_baseline(path, key):
     return stored if stored.get("key") == key else None
 
 
-def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controller_beta):
-    """Adapter, value head, optimizer moments and RNG state, as safetensors + JSON."""
+def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controller_beta,
+                    reinforce_baseline=None):
+    """Adapter, value head (if any), optimizer moments, RNG state and the REINFORCE baseline,
+    as safetensors + JSON."""
     staging = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint-"))
     save_adapter(policy, staging / "adapter.safetensors")
-    save_file(value_head.state_dict(), str(staging / "value_head.safetensors"))
+    if value_head is not None:
+        save_file(value_head.state_dict(), str(staging / "value_head.safetensors"))
     tensors, scalars = {}, {}
     for i, state in optimizer.state_dict()["state"].items():
         for key, value in state.items():
@@ -150,20 +173,23 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
     tensors["rng.torch"] = torch.get_rng_state()
     save_file(tensors, str(staging / "optimizer_rng.safetensors"))
     write_json(staging / "state.json", {"iteration": iteration, "beta": controller_beta,
+                                        "reinforce_baseline": reinforce_baseline,
                                         "optimizer_scalars": scalars})
     publish(staging, Path(run_dir) / "checkpoint")
 
 
 def load_checkpoint(run_dir, policy, value_head, optimizer):
-    """Restore what `save_checkpoint` wrote; returns (next iteration, beta)."""
+    """Restore what `save_checkpoint` wrote; returns (next iteration, beta, the REINFORCE
+    baseline or None)."""
     folder = Path(run_dir) / "checkpoint"
     expected = "a checkpoint written by ppo.py with this preset (delete it to start over)"
     with cli.reading(folder / "state.json", expected):
         state = json.loads((folder / "state.json").read_text())
     with cli.reading(folder / "adapter.safetensors", expected, AdapterMismatch):
         load_adapter(policy, folder / "adapter.safetensors")
-    with cli.reading(folder / "value_head.safetensors", expected):
-        value_head.load_state_dict(load_file(str(folder / "value_head.safetensors")))
+    if value_head is not None:
+        with cli.reading(folder / "value_head.safetensors", expected):
+            value_head.load_state_dict(load_file(str(folder / "value_head.safetensors")))
     with cli.reading(folder / "optimizer_rng.safetensors", expected):
         tensors = load_file(str(folder / "optimizer_rng.safetensors"))
     saved = optimizer.state_dict()
@@ -177,7 +203,7 @@ def load_checkpoint(run_dir, policy, value_head, optimizer):
                                                     else torch.tensor(value))
     optimizer.load_state_dict({"state": restored, "param_groups": groups})
     torch.set_rng_state(tensors["rng.torch"])
-    return state["iteration"] + 1, state["beta"]
+    return state["iteration"] + 1, state["beta"], state.get("reinforce_baseline")
 
 
 def peak_memory_gb(device):
@@ -271,8 +297,9 @@ def sweep_markdown(summary, baseline, failed):
     if summary["best_beta"] is None:
         return "\n".join(lines + ["\nNo run finished."])
     n = sum(b["runs"] for b in summary["by_beta"].values())
+    rho = summary["spearman_beta_kl"]
     lines.append(f"\nSpearman's rho of beta and the final KL over {n} runs: "
-                 f"{summary['spearman_beta_kl']:+.2f}. The best beta "
+                 + ("n/a (one beta)" if math.isnan(rho) else f"{rho:+.2f}") + ". The best beta "
                  f"({summary['best_beta']:g}) went {summary['best_fraction_of_ref_to_human']:.2f}"
                  " of the way from the reference's mean reward to the human TL;DRs'.")
     return "\n".join(lines)

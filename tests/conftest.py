@@ -1,6 +1,9 @@
 """Shared fixtures: the real tokenizer, a tiny random model, and (for slow tests) SmolLM2."""
 import os
 os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton reads it at import: set before any test imports it
+# Threads that spin while waiting lose ~10x when another process shares the 2 cores (the
+# scripts set this too, but here torch is imported before them).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 import csv

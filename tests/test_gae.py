@@ -11,6 +11,9 @@ import math
 import pytest
 import torch
 
+import gae
+import kernels
+
 from gae import (GAMMA, LAM, AdaptiveKLController, advantages_and_returns,
                  kl_per_token, last_token_index, masked_mean, response_mask,
                  shaped_rewards, update_beta, whiten)
@@ -228,3 +231,87 @@ def test_adaptive_kl_controller_compounds_steps():
         ctl.update(100.0)                                                # far above: +2% each
     assert ctl.beta == pytest.approx(0.05 * 1.02 ** 10)
     assert ctl.update(0.0) == pytest.approx(0.05 * 1.02 ** 10 * 0.98)    # far below: -2%
+
+
+# ------------------------------------------- the response as one action (--estimator)
+
+def groups_of(k, prompts):
+    return torch.arange(prompts).repeat_interleave(k)                  # (prompts * k,)
+
+
+def test_rloo_advantages_sum_to_zero_per_prompt_and_ignore_a_constant():
+    R = torch.tensor([1.0, 4.0, -2.0, 0.5, 3.0, 3.0, 7.0, -1.0], dtype=torch.float64)
+    group = groups_of(4, 2)
+    adv = gae.rloo_advantages(R, group)
+    assert adv[:4].sum().item() == pytest.approx(0, abs=1e-12)
+    assert adv[4:].sum().item() == pytest.approx(0, abs=1e-12)
+    # by hand: 1 - (4 - 2 + 0.5) / 3 = 1/6
+    assert adv[0].item() == pytest.approx(1 / 6)
+    assert torch.allclose(gae.rloo_advantages(R + 10, group), adv)
+    with pytest.raises(ValueError):
+        gae.rloo_advantages(R, groups_of(1, 8))
+
+
+def test_rloo_follows_its_rows_in_any_order():
+    """Micro-batching sorts rows by padding: a sample's advantage must follow its prompt id,
+    not its position."""
+    R = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    group = groups_of(3, 4)
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(gae.rloo_advantages(R[perm], group[perm]),
+                          gae.rloo_advantages(R, group)[perm])
+    assert torch.allclose(gae.grpo_advantages(R[perm], group[perm]),
+                          gae.grpo_advantages(R, group)[perm])
+
+
+def test_rloo_with_two_samples_is_the_notes_contrastive_form():
+    """k = 2: A = +-(R(y+) - R(y-)); the REINFORCE surrogate averaged over the pair,
+    1/2 sum_i A_i log pi(y_i), is the note's 1/2 (R+ - R-)(log pi(y+) - log pi(y-)); and the
+    clipped loss of eq. (8)-(10) at r = 1 has minus its gradient."""
+    R = torch.tensor([2.5, -0.5], dtype=torch.float64)
+    adv = gae.rloo_advantages(R, groups_of(2, 1))
+    assert adv.tolist() == [3.0, -3.0]
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    logp = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, -0.2, -1.0, -2.0]],
+                        dtype=torch.float64, requires_grad=True)
+    seq_logp = (logp * mask).sum(-1)                                   # log pi(y_i | x)
+    objective = gae.rloo_pair_objective(R, seq_logp)
+    assert objective.item() == pytest.approx(0.5 * (adv * seq_logp).sum().item())
+    assert objective.item() == pytest.approx(0.5 * 3.0 * (seq_logp[0] - seq_logp[1]).item())
+    expected = torch.autograd.grad(-objective, logp)[0]                # (2, T)
+    loss, _ = kernels.masked_clipped_loss(logp.float(), logp.detach().float(),
+                                          gae.per_token(adv, mask).float(), mask.float(), 0.2)
+    got = torch.autograd.grad(loss, logp)[0]                           # ratio exactly 1
+    assert torch.allclose(got.double(), expected, atol=1e-6)
+
+
+def test_grpo_advantages_are_standardised_per_group_and_zero_for_a_tie():
+    R = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0], dtype=torch.float64)
+    adv = gae.grpo_advantages(R, groups_of(4, 2))
+    assert adv[:4].mean().item() == pytest.approx(0, abs=1e-12)
+    assert adv[:4].std().item() == pytest.approx(1, abs=1e-5)          # std with n - 1
+    assert adv[4:].tolist() == [0.0, 0.0, 0.0, 0.0]                    # not NaN
+    unbiased = gae.grpo_advantages(R, groups_of(4, 2), unbiased=True)  # Dr. GRPO: centred only
+    assert unbiased.tolist() == [-2.0, -1.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_reinforce_baseline_follows_its_moving_average():
+    batches = [torch.tensor([1.0, 3.0]), torch.tensor([0.0, 0.0]), torch.tensor([4.0, 6.0])]
+    # b starts at batch 1's mean, 2; then 0.9 * 2 + 0.1 * 2 = 2; then 0.9 * 2 + 0.1 * 0 = 1.8
+    b, expected_b = None, [2.0, 2.0, 1.8]
+    for R, want in zip(batches, expected_b):
+        adv, b_next = gae.reinforce_advantages(R, b, decay=0.9)
+        assert torch.allclose(adv, R - want)
+        b = b_next
+    assert b == pytest.approx(0.9 * 1.8 + 0.1 * 5.0)
+
+
+def test_sequence_rewards_and_per_token():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    kl = torch.tensor([[0.5, 1.5, 99.0], [0.1, 0.2, 0.3]])              # 99 on padding: ignored
+    R = gae.sequence_rewards(torch.tensor([1.0, 2.0]), kl, mask, beta=0.1)
+    assert R.tolist() == pytest.approx([1.0 - 0.2, 2.0 - 0.06])
+    spread = gae.per_token(torch.tensor([2.0, -3.0]), mask)
+    assert spread.tolist() == [[2.0, 2.0, 0.0], [-3.0, -3.0, -3.0]]
+    by_length = gae.per_token(torch.tensor([2.0, -3.0]), mask, length_normalise=True)
+    assert by_length.tolist() == [[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]

@@ -381,7 +381,7 @@ def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
     assert "ratio" in out and "human" in out and "reward=content" in out
     assert "gain over (ref): " in out and "paired over 4 posts" in out
     straight = json.loads((tmp_path / "straight" / "results.json").read_text())
-    assert set(straight) == {"config", "iterations", "final"}
+    assert set(straight) == {"config", "commits", "iterations", "final"}
     assert straight["config"]["reward"] == "content"
     final = straight["final"]
     assert {"reward_se", "eos_fraction", "copied_bigrams", "gain_over_ref",
@@ -408,6 +408,7 @@ def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
     run(*common, "--iterations", "2", "--out", str(tmp_path / "resumed"))
     run(*common, "--iterations", "4", "--out", str(tmp_path / "resumed"), "--resume")
     resumed = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    assert len(resumed["commits"]) == 2 and resumed["commits"][0] == straight["commits"][0]
     timing = lambda row: {k: v for k, v in row.items()                     # noqa: E731
                           if not k.startswith("seconds") and k != "peak_memory_gb"}
     assert [timing(r) for r in resumed["iterations"]] == \
@@ -533,7 +534,7 @@ def test_a_failed_run_is_a_row_of_the_sweep(tiny_reward_model, small_data, tmp_p
             str(small_data), "--beta", "0", "0.5", "--iterations", "1", "--out", str(tmp_path)]
     ppo.main(argv)
     out = capsys.readouterr().out
-    assert "0.5 seed 0 failed: iteration 0: the score is NaN" in out
+    assert "| 0.5 | seed 0 failed: iteration 0: the score is NaN" in out
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert [(r["beta"], "failed" in r) for r in sweep["runs"]] == [(0.0, False), (0.5, True)]
     ppo.main(argv + ["--resume"])
@@ -565,3 +566,140 @@ def test_sweep_summary_on_known_runs():
     assert summary["best_fraction_of_ref_to_human"] == pytest.approx((2 - -1) / (5 - -1))
     # ranks: beta 2,2,2,4.5,4.5 and KL 5,4,3,1,2; centred: (-1,-1,-1,1.5,1.5), (2,1,0,-2,-1)
     assert summary["spearman_beta_kl"] == pytest.approx(-7.5 / math.sqrt(7.5 * 10))
+
+
+# ------------------------------------------- --estimator, --samples-per-prompt, value options
+
+def test_value_clipping_on_a_hand_computed_example():
+    """eps_v = 0.2, V_old = 1, R = 2. V = 1.5: plain (1.5-2)^2 = 0.25, clipped V_old+0.2 = 1.2,
+    (1.2-2)^2 = 0.64, the max is 0.64. V = 2.5: 0.25 against (1.2-2)^2 = 0.64 -> 0.64.
+    V = 0.9: 1.21 against (0.9-2)^2 = 1.21 (inside the clip range) -> 1.21."""
+    values = torch.tensor([[1.5, 2.5, 0.9]], requires_grad=True)
+    ones = torch.ones(1, 3)
+    _, vl, _, _ = ppo.ppo_losses(torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 3),
+                                 values, 2 * ones, ones, 0.2, values_old=ones, value_clip=0.2)
+    assert vl.item() == pytest.approx((0.64 + 0.64 + 1.21) / 3)
+    # where the clipped term is the max, the value gets no gradient from it
+    (grad,) = torch.autograd.grad(vl, values)
+    assert grad.tolist()[0] == pytest.approx([0.0, 0.0, 2 * (0.9 - 2) / 3])
+    _, plain, _, _ = ppo.ppo_losses(torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 3),
+                                    values, 2 * ones, ones, 0.2)
+    assert plain.item() == pytest.approx((0.25 + 0.25 + 1.21) / 3)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--estimator", "rloo"], "--samples-per-prompt"),
+    (["--estimator", "grpo", "--samples-per-prompt", "1"], "--samples-per-prompt"),
+    (["--estimator", "rloo", "--samples-per-prompt", "2", "--value-clip", "0.2"],
+     "--value-clip"),
+    (["--estimator", "reinforce", "--whiten-rewards"], "--whiten-rewards"),
+])
+def test_estimator_flags_that_make_no_sense_are_refused(argv, flag, capsys):
+    with pytest.raises(SystemExit) as stop:
+        ppo.parse_args(["--preset", "tiny", *argv])
+    assert stop.value.code == 2 and flag in capsys.readouterr().err.splitlines()[-1]
+
+
+def tiny_pool(tokenizer, n=8, tokens=64):
+    posts = loaders.load_tldr()[:30]
+    return [{**p, "prompt": prompt} for p in posts
+            if (prompt := loaders.fit_prompt(tokenizer, p, tokens))][:n]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--estimator", "gae"],
+    ["--estimator", "gae", "--value-clip", "0.2", "--value-init", "reward", "--whiten-rewards"],
+    ["--estimator", "rloo", "--samples-per-prompt", "2"],
+    ["--estimator", "reinforce"],
+    ["--estimator", "grpo", "--samples-per-prompt", "2"],
+    ["--estimator", "grpo", "--samples-per-prompt", "2", "--grpo-unbiased"],
+])
+def test_every_estimator_trains_with_the_ratio_exactly_one(argv, tiny_reward_model, tiny,
+                                                           tokenizer, tmp_path):
+    """Two iterations on the tiny model: the ratio is exactly 1 at every first inner step
+    (check_ratio would raise otherwise), the batch holds --batch x k responses, and only
+    gae has a value head."""
+    cfg = ppo.parse_args(["--preset", "tiny", "--iterations", "2", "--batch", "2",
+                          "--out", str(tmp_path), *argv])
+    reward = rm.load_reward_model(tiny_reward_model)
+    models = (tiny, reward, tokenizer, torch.device("cpu"))
+    _, value_head, results = ppo.train(cfg, 0.1, 0, models, tiny_pool(tokenizer), tmp_path,
+                                       progress=False)
+    assert (value_head is None) == (cfg.estimator != "gae")
+    for row in results["iterations"]:
+        assert row["ratio_min"] == row["ratio_max"] == 1.0
+        assert (row["explained_variance"] is None) == (cfg.estimator != "gae")
+        assert row["value_loss"] == 0.0 or cfg.estimator == "gae"
+
+
+def test_value_init_reward_copies_the_reward_models_head(tiny_reward_model):
+    reward = rm.load_reward_model(tiny_reward_model)
+    head = ppo.init_value_head(ppo.ValueHead(reward.head.in_features), "reward", reward)
+    hidden = torch.randn(3, reward.head.in_features)
+    with torch.no_grad():
+        assert torch.allclose(head(hidden), reward.head(hidden).squeeze(-1) + reward.bias)
+        assert ppo.init_value_head(head, "zero", reward)(hidden).abs().max().item() == 0.0
+
+
+def test_rloo_and_reinforce_resume_to_the_same_numbers(tiny_reward_model, tiny, tokenizer,
+                                                       tmp_path):
+    """RLOO with k = 2 and a REINFORCE run, each stopped after one iteration and resumed:
+    the same numbers as straight through (the REINFORCE baseline is in the checkpoint)."""
+    reward = rm.load_reward_model(tiny_reward_model)
+    models = (tiny, reward, tokenizer, torch.device("cpu"))
+    pool = tiny_pool(tokenizer)
+    for argv in (["--estimator", "rloo", "--samples-per-prompt", "2"],
+                 ["--estimator", "reinforce"]):
+        common = ["--preset", "tiny", "--batch", "2", "--checkpoint-every", "1", *argv]
+        straight, resumed = tmp_path / f"{argv[1]}_a", tmp_path / f"{argv[1]}_b"
+        for folder in (straight, resumed):
+            folder.mkdir()
+        cfg = ppo.parse_args(common + ["--iterations", "3"])
+        _, _, a = ppo.train(cfg, 0.1, 0, models, pool, straight, progress=False)
+        ppo.train(ppo.parse_args(common + ["--iterations", "1"]), 0.1, 0, models, pool,
+                  resumed, progress=False)
+        cfg = ppo.parse_args(common + ["--iterations", "3", "--resume"])
+        _, _, b = ppo.train(cfg, 0.1, 0, models, pool, resumed, progress=False)
+        assert [without_timing(r) for r in a["iterations"]] == \
+            [without_timing(r) for r in b["iterations"]]
+
+
+def test_each_sample_keeps_its_prompts_group(tiny_reward_model, tiny, tokenizer, tmp_path,
+                                             monkeypatch):
+    """k = 3: the rows that share a group id were sampled from the same prompt, and rows of
+    different groups from different prompts, whatever order micro-batching runs them in."""
+    seen = {}
+    real_generate, real_advantages = ppo.generate, ppo.sequence_advantages
+
+    def generate(model, prompt_ids, *args):
+        seen["prompts"] = prompt_ids.clone()
+        return real_generate(model, prompt_ids, *args)
+
+    def sequence_advantages(estimator, R, group, *args):
+        seen["group"] = group.clone()
+        return real_advantages(estimator, R, group, *args)
+
+    monkeypatch.setattr(ppo, "generate", generate)
+    monkeypatch.setattr(ppo, "sequence_advantages", sequence_advantages)
+    cfg = ppo.parse_args(["--preset", "tiny", "--iterations", "1", "--batch", "3",
+                          "--micro-batch", "2", "--estimator", "rloo",
+                          "--samples-per-prompt", "3"])
+    models = (tiny, rm.load_reward_model(tiny_reward_model), tokenizer, torch.device("cpu"))
+    ppo.train(cfg, 0.1, 0, models, tiny_pool(tokenizer), tmp_path, progress=False)
+    prompts, group = seen["prompts"], seen["group"]
+    assert len(prompts) == 9 and group.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for i in range(9):
+        for j in range(9):
+            assert torch.equal(prompts[i], prompts[j]) == (group[i] == group[j]).item()
+
+
+def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_model, small_data,
+                                                                tmp_path):
+    out = run("compare_estimators.py", "--preset", "tiny", "--reward-model",
+              str(tiny_reward_model), "--seeds", "0", "--settings", "rloo_4x2", "--out",
+              str(tmp_path), "--data-dir", str(small_data), "--iterations", "1")
+    assert "--estimator rloo --batch 4 --samples-per-prompt 2" in out
+    table = (tmp_path / "estimators.md").read_text()
+    assert table.strip() in out
+    assert "| rloo_4x2 | 1 |" in table and "| gae | 0 of 1 |" in table and "| (ref) |" in table
+    assert (tmp_path / "estimators.png").stat().st_size > 1000
