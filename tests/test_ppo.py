@@ -703,3 +703,20 @@ def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_mode
     assert table.strip() in out
     assert "| rloo_4x2 | 1 |" in table and "| gae | 0 of 1 |" in table and "| (ref) |" in table
     assert (tmp_path / "estimators.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["gae", "rloo", "reinforce", "grpo"])
+def test_the_ratio_is_exactly_one_for_every_estimator_on_real_smollm2(
+        estimator, smollm2, tiny_reward_model, tokenizer, tmp_path):
+    """One iteration of each estimator with the real SmolLM2 as reference and policy: the
+    ratio at the first inner step is exactly 1 (fp32), as check_ratio enforces."""
+    cfg = ppo.parse_args(["--preset", "tiny", "--iterations", "1", "--batch", "2",
+                          "--estimator", estimator, "--samples-per-prompt", "2",
+                          "--out", str(tmp_path)])
+    models = (smollm2, rm.load_reward_model(tiny_reward_model), tokenizer,
+              torch.device("cpu"))
+    _, _, results = ppo.train(cfg, 0.1, 0, models, tiny_pool(tokenizer), tmp_path,
+                              progress=False)
+    row = results["iterations"][0]
+    assert row["ratio_min"] == row["ratio_max"] == 1.0
