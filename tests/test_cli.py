@@ -246,3 +246,18 @@ def test_hub_unreachable_is_said_once(monkeypatch, capsys):
         assert capsys.readouterr().out.count("hub unreachable") == 1
     finally:
         loaders._resolve_model.cache_clear()    # later tests resolve for real
+
+
+@pytest.mark.parametrize("module, config, exempt", [
+    (ppo, ppo.Config, set(ppo.CHOICES)),
+    (rm, rm.Config, {"preset"}),
+])
+def test_every_numeric_flag_has_a_range_and_every_text_flag_its_choices(module, config,
+                                                                         exempt):
+    """A flag added later without a range would let its bad values through: caught here."""
+    for field in dataclasses.fields(config):
+        default = field.default
+        if field.name in ("model", "data_dir", "out", "reward_model") or field.type is bool:
+            continue
+        numeric = field.type in (int, float, list) or isinstance(default, (int, float))
+        assert (field.name in module.RANGES) if numeric else (field.name in exempt), field.name
