@@ -38,7 +38,12 @@ SETTINGS = {          # name: ppo.py flags; each draws --batch x k = 8 responses
 
 
 def run_setting(name, args):
-    """One setting's sweep over the seeds, through ppo.py; --resume when it has started."""
+    """One setting's sweep over the seeds, through ppo.py; --resume when it has started,
+    nothing when every run is over (--out/gae may be a link to a beta sweep's folder, whose
+    beta = 0.1 runs are this setting's: ppo.py would rewrite that sweep's table)."""
+    if all("reward" in r or r["failed"] for r in rows(name, args)):
+        print(f"\n=== {name}: every run is over, nothing to run")
+        return 0
     out = Path(args.out) / name
     started = any(out.glob("*/checkpoint/state.json")) or (out / "checkpoint").is_dir()
     command = [sys.executable, "ppo.py", "--preset", args.preset, "--beta", str(args.beta),

@@ -703,6 +703,10 @@ def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_mode
     assert table.strip() in out
     assert "| rloo_4x2 | 1 |" in table and "| gae | 0 of 1 |" in table and "| (ref) |" in table
     assert (tmp_path / "estimators.png").stat().st_size > 1000
+    again = run("compare_estimators.py", "--preset", "tiny", "--reward-model",
+                str(tiny_reward_model), "--seeds", "0", "--settings", "rloo_4x2", "--out",
+                str(tmp_path), "--data-dir", str(small_data), "--iterations", "1")
+    assert "=== rloo_4x2: every run is over, nothing to run" in again
 
 
 @pytest.mark.slow
