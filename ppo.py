@@ -625,7 +625,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         timer, t0 = {}, time.perf_counter()
         # ---- 1. generate: sample k summaries for each post with the current policy
         posts = [p for p in batch_for(pool, iteration, cfg.batch, seed) for _ in range(k)]
-        group = torch.arange(cfg.batch, device=device).repeat_interleave(k)  # (B,) its post
+        prompt_of = torch.arange(cfg.batch, device=device).repeat_interleave(k)  # (B,) post
         prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in posts], device)
         with precision(cfg, device):
             sequences, actions = generate(policy, prompt_ids, prompt_mask, cfg, eos)
@@ -673,7 +673,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
                 # R(x, y) = r_phi(x, y) - beta sum_t D_KL^(t), its baseline from other samples
                 R = sequence_rewards(scores, kl, mask, current_beta)            # (B,)
                 adv, reinforce_baseline = sequence_advantages(
-                    cfg.estimator, R, group, reinforce_baseline, cfg.reinforce_decay,
+                    cfg.estimator, R, prompt_of, reinforce_baseline, cfg.reinforce_decay,
                     cfg.grpo_unbiased)                                          # (B,)
                 # A_i on each real token, not whitened; GRPO averages a response's tokens
                 adv = per_token(adv, mask, length_normalise=cfg.estimator == "grpo"

@@ -1,17 +1,22 @@
 """Shared fixtures: the real tokenizer, a tiny random model, and (for slow tests) SmolLM2."""
+import csv
 import os
-os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton reads it at import: set before any test imports it
+
 # Threads that spin while waiting lose ~10x when another process shares the 2 cores (the
-# scripts set this too, but here torch is imported before them).
+# scripts set this too, but here torch is imported before them). Before torch loads OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
-import csv
+# Triton reads TRITON_INTERPRET when a kernel is defined (at `import kernels`), so it is set
+# here, before any test module imports them. Without CUDA the kernels run under Triton's
+# interpreter on CPU tensors; with CUDA they are compiled and run on the GPU, as in training
+# (tests/test_kernels.py then runs the interpreted CPU cases in a fresh process).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
-import torch
-
-import loaders
+import loaders  # noqa: E402
 
 
 @pytest.fixture(scope="session")

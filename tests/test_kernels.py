@@ -1,6 +1,8 @@
-"""Tests for kernels/: every path (the Triton kernels under TRITON_INTERPRET=1, the PyTorch
-fallback, the fused linear + log-prob) against a float64 oracle written plainly below, forward
-and backward with a random upstream gradient.
+"""Tests for kernels/: every path (the Triton kernels, the PyTorch fallback, the fused linear +
+log-prob) against a float64 oracle written plainly below, forward and backward with a random
+upstream gradient, on every device this machine has: the CPU always (Triton under its
+interpreter, TRITON_INTERPRET=1), and CUDA when there is one (Triton compiled, as in training;
+the interpreted CPU cases then run in a fresh process). tests/conftest.py sets the variable.
 
     python -m pytest -q tests/test_kernels.py        (about 20 s on two CPU cores)
 
@@ -14,16 +16,10 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-# Triton's interpreter must be switched on before triton is first imported (triton.jit reads
-# TRITON_INTERPRET when a kernel, its own or ours, is defined), so this comes first. With it the
-# Triton kernels run on CPU tensors, on every machine.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -31,18 +27,30 @@ sys.path.insert(0, str(ROOT))
 import kernels  # noqa: E402
 from kernels import fused_linear, logprob  # noqa: E402
 
-# If an earlier test module imported triton without the interpreter, the Triton cases cannot run
-# here; test_triton_cases_in_a_fresh_process below runs them in a new process instead.
+# Triton on CPU tensors needs the interpreter; compiled Triton (CUDA) needs it off. When this
+# process has it off, test_triton_cases_in_a_fresh_process below runs the CPU cases with it on.
 TRITON_HERE = logprob.INTERPRET
 TRITON_ELSEWHERE = logprob.triton is not None and not logprob.INTERPRET
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    not TRITON_HERE, reason="triton is not installed, or runs in a fresh process (see below)"))]
+CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(params=BACKENDS)
+def case(device, backend):
+    """One (device, backend) parameter, skipped where this machine cannot run it."""
+    skip = {("cpu", "triton"): not TRITON_HERE, ("cuda", "torch"): not CUDA,
+            ("cuda", "triton"): not CUDA or logprob.triton is None or logprob.INTERPRET}
+    marks = pytest.mark.skipif(skip.get((device, backend), False), reason=(
+        f"{backend} on {device}: no CUDA, no triton, or the interpreter's turn is elsewhere"))
+    return pytest.param((device, backend), marks=marks, id=f"{device}-{backend}")
+
+
+@pytest.fixture(params=[case(d, b) for d in ("cpu", "cuda") for b in ("torch", "triton")])
 def backend(request):
-    previous = kernels.set_backend(request.param)
-    yield request.param
+    """The backend's name; every tensor a test makes lands on the case's device."""
+    device, name = request.param
+    previous = kernels.set_backend(name)
+    torch.set_default_device(device)
+    yield name
+    torch.set_default_device("cpu")
     kernels.set_backend(previous)
 
 
@@ -274,6 +282,53 @@ def test_hidden_frozen_head_and_bf16(backend):
     torch.testing.assert_close(logp.double(), logp64, rtol=0, atol=1e-4)
     # the chain goes through bf16 logits and a bf16 matmul: relative 2**-6
     torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=2**-6, atol=2e-3)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("V", [49152, 151936])             # SmolLM2's and Qwen's vocabularies
+def test_fused_linear_equals_the_naive_path_on_cuda(V):
+    """SmolLM2's width (576), 64 rows, fp32 on the GPU: the fused path (Triton under "auto")
+    against the post's logits = hidden @ W^T, log_softmax, gather; values and dL/dhidden."""
+    torch.manual_seed(V)
+    hidden = torch.randn(64, 576, device="cuda")
+    weight = torch.randn(V, 576, device="cuda") / math.sqrt(576) * 3
+    actions = torch.randint(0, V, (64,), device="cuda")
+    g = torch.randn(64, device="cuda")
+    h = hidden.clone().requires_grad_()
+    logp = kernels.gather_log_probs_from_hidden(h, weight, actions)
+    (grad,) = torch.autograd.grad((logp * g).sum(), h)
+    h_naive = hidden.clone().requires_grad_()
+    naive = torch.log_softmax(h_naive @ weight.T, -1).gather(-1, actions[:, None]).squeeze(-1)
+    (grad_naive,) = torch.autograd.grad((naive * g).sum(), h_naive)
+    # TF32 may be on for the naive matmul: both sides to 1e-3
+    torch.testing.assert_close(logp, naive, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(grad, grad_naive, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not CUDA or logprob.triton is None or logprob.INTERPRET,
+                    reason="needs CUDA and compiled triton")
+def test_many_rows_do_not_overflow_the_grid():
+    """A grid axis other than the first stops at 65,535 blocks (Liger hit this, its PR #1294):
+    70,000 rows through every op on the Triton backend equal the fallback's numbers."""
+    torch.manual_seed(10)
+    rows, V, H = 70_000, 64, 16
+    logits = torch.randn(rows, V, device="cuda")
+    hidden, weight = torch.randn(rows, H, device="cuda"), torch.randn(V, H, device="cuda")
+    actions = torch.randint(0, V, (rows,), device="cuda")
+    logp_old = -torch.rand(rows, 1, device="cuda")
+    logp = logp_old + 0.1 * torch.randn(rows, 1, device="cuda")
+    adv, mask = torch.randn(rows, 1, device="cuda"), torch.ones(rows, 1, device="cuda")
+    out = {}
+    for name in ("torch", "triton"):
+        previous = kernels.set_backend(name)
+        try:
+            out[name] = (*kernels.gather_log_probs(logits, actions, return_entropy=True),
+                         kernels.gather_log_probs_from_hidden(hidden, weight, actions),
+                         kernels.masked_clipped_loss(logp, logp_old, adv, mask)[0])
+        finally:
+            kernels.set_backend(previous)
+    for ours, reference in zip(out["triton"], out["torch"]):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -724,3 +724,21 @@ def test_the_ratio_is_exactly_one_for_every_estimator_on_real_smollm2(
                               progress=False)
     row = results["iterations"][0]
     assert row["ratio_min"] == row["ratio_max"] == 1.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("estimator", ["gae", "rloo"])
+def test_the_ratio_is_exactly_one_on_cuda_in_bf16(estimator, tiny_reward_model, tokenizer,
+                                                  tmp_path):
+    """Two iterations of the loop on the GPU, bf16 bodies and compiled Triton kernels: the
+    ratio is exactly 1 at every first inner step (check_ratio would raise otherwise)."""
+    device = torch.device("cuda")
+    cfg = ppo.parse_args(["--preset", "tiny", "--iterations", "2", "--batch", "2",
+                          "--precision", "bf16", "--estimator", estimator,
+                          "--samples-per-prompt", "2", "--out", str(tmp_path)])
+    models = (loaders.tiny_model(tokenizer, device=device),
+              rm.load_reward_model(tiny_reward_model, device=device), tokenizer, device)
+    _, _, results = ppo.train(cfg, 0.1, 0, models, tiny_pool(tokenizer), tmp_path,
+                              progress=False)
+    for row in results["iterations"]:
+        assert row["ratio_min"] == row["ratio_max"] == 1.0
