@@ -22,6 +22,7 @@ them out. The ratios in the table are all against the fp32 post.
 
 Run:  python bench_ppo.py                  (about 12 minutes on a 2-core CPU)
       python bench_ppo.py --iterations 3 --micro-batch 4
+      python bench_ppo.py --check-gpu [--dry-run]   (one command that checks a GPU: check_gpu.py)
 """
 
 import argparse
@@ -93,9 +94,21 @@ def main():
                         help="folder written by reward_model.py")
     parser.add_argument("--skip-bf16", action="store_true",
                         help="time only the fp32 variants")
+    parser.add_argument("--check-gpu", action="store_true",
+                        help="check a CUDA machine in one command instead (check_gpu.py): "
+                             "kernel tests compiled, kernels/bench.py, PPO iterations")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with --check-gpu: the same steps on the CPU at toy sizes")
+    parser.add_argument("--prepare", action="store_true",
+                        help="with --check-gpu: only write the weightless model folders")
+    parser.add_argument("--out", default="runs/gpu_check.json",
+                        help="with --check-gpu: where the table goes, as JSON")
     parser.add_argument("--worker", choices=["post", "ours"], help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.check_gpu:
+        import check_gpu
+        sys.exit(check_gpu.main(args.dry_run, args.out, prepare_only=args.prepare))
     if args.worker:
         return worker(args.worker, args.iterations, args.micro_batch, args.reward_model,
                       args.precision)

@@ -215,12 +215,39 @@ def load_tokenizer(name=POLICY_NAME):
 
 
 def load_model(name=POLICY_NAME, device="cpu"):
-    """The pretrained causal LM in fp32, frozen and in eval mode (dropout off)."""
-    from transformers import AutoModelForCausalLM
+    """The pretrained causal LM in fp32, frozen and in eval mode (dropout off).
+
+    A folder with a config.json but no weights gives that architecture with random weights
+    (seed 0): the same FLOPs, for timing on a machine with no copy of the weights
+    (`bench_ppo.py --check-gpu`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     where, kwargs = resolve_model(name)
+    if Path(where).is_dir() and not any(Path(where).glob("*.safetensors")) \
+            and not any(Path(where).glob("*.bin")):
+        with cli.reading(Path(where) / "config.json", "a model config saved by save_pretrained"):
+            config = AutoConfig.from_pretrained(where)
+        print(f"{where} has no weights: random weights of its architecture (timing only)")
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return freeze(model.to(device))
     with cli.reading(f"--model {where}", "a causal LM saved with save_pretrained"):
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **dict(kwargs))
     return freeze(model.to(device))
+
+
+def save_architecture(folder, vocab_size=None):
+    """config.json and the tokenizer of the local SmolLM2, without its weights, into `folder`
+    (optionally with another vocabulary size): what `load_model` turns into random weights."""
+    from transformers import AutoConfig
+    where, kwargs = resolve_model(POLICY_NAME)
+    config = AutoConfig.from_pretrained(where, **dict(kwargs))
+    if vocab_size:
+        config.vocab_size = vocab_size
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    load_tokenizer().save_pretrained(folder)
+    return Path(folder)
 
 
 def tiny_model(tokenizer, seed=0, device="cpu"):

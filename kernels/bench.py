@@ -15,8 +15,11 @@ gradient dL/dlogp (what PPO's loss sends back):
                   width; the gradient goes to hidden
     fused-linear  kernels.gather_log_probs_from_hidden; same input as naive-linear (W frozen, as
                   ppo.py's lm_head is: route 1 of kernels/fused_linear.py)
+    compiled, compiled-linear    torch.compile of naive and of naive-linear (CUDA only: what a
+                  reader would try first; compiled in the warm-up, outside the clock)
 
-fallback and triton are compared with naive, fused-linear with naive-linear, in the same run.
+fallback, triton and compiled are compared with naive, fused-linear and compiled-linear with
+naive-linear, in the same run. --json FILE also writes the table's numbers.
 
 Method.
     Time: each measurement runs in its own fresh process, which first warms the path up on 2 rows
@@ -38,6 +41,7 @@ Method.
     GPU, our stand-in for the achievable peak.
 """
 import argparse
+import functools
 import json
 import os
 import resource
@@ -55,8 +59,9 @@ sys.path.insert(0, str(ROOT))       # `python kernels/bench.py` puts kernels/, n
 import kernels  # noqa: E402
 
 HIDDEN = 576                            # SmolLM2-135M's hidden width
-COMPARATOR = {"naive": "naive", "fallback": "naive", "triton": "naive",
-              "naive-linear": "naive-linear", "fused-linear": "naive-linear"}
+COMPARATOR = {"naive": "naive", "fallback": "naive", "triton": "naive", "compiled": "naive",
+              "naive-linear": "naive-linear", "fused-linear": "naive-linear",
+              "compiled-linear": "naive-linear"}
 # The issue's targets at 16 x 304 rows x 49,152: (peak extra memory, time), both vs comparator.
 TARGETS = {"fallback": (0.5, 1.0), "fused-linear": (0.2, 1.3)}
 
@@ -71,6 +76,11 @@ def naive(logits, actions):
 def naive_linear(hidden, weight, actions):
     logits = hidden @ weight.T          # (rows, V): what `out.logits` holds in the post
     return torch.log_softmax(logits, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+
+
+@functools.cache
+def compiled(fn):
+    return torch.compile(fn)
 
 
 def make_inputs(path, rows, V, device, dtype):
@@ -94,6 +104,10 @@ def run_path(path, inputs):
         logp = naive_linear(*inputs)
     elif path == "fused-linear":
         logp = kernels.gather_log_probs_from_hidden(*inputs)
+    elif path == "compiled":
+        logp = compiled(naive)(*inputs)
+    elif path == "compiled-linear":
+        logp = compiled(naive_linear)(*inputs)
     else:
         kernels.set_backend("torch" if path == "fallback" else "triton")
         logp = kernels.gather_log_probs(*inputs)
@@ -234,6 +248,7 @@ def main():
                         help="cuda adds the triton path and its bandwidth")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype of logits, hidden states and lm_head")
+    parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--worker", nargs=5, metavar=("PATH", "ROWS", "V", "DEVICE", "DTYPE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -241,8 +256,9 @@ def main():
         path, rows, V, device, dtype = args.worker
         return worker(path, int(rows), int(V), device, getattr(torch, dtype))
 
-    paths = ["naive", "fallback"] + (["triton"] if args.device == "cuda" else [])
-    paths += ["naive-linear", "fused-linear"]
+    cuda = args.device == "cuda"
+    paths = ["naive", "fallback"] + (["triton", "compiled"] if cuda else [])
+    paths += ["naive-linear", "fused-linear"] + (["compiled-linear"] if cuda else [])
     threads = torch.get_num_threads()
     print(f"device {args.device}, {args.dtype}, {threads} CPU threads, {args.rounds} rounds, "
           f"hidden width {HIDDEN}; load average {os.getloadavg()[0]:.1f} at the start", flush=True)
@@ -256,6 +272,9 @@ def main():
           f"neighbour's load slows every path, the fallback's many small ops the most)\n")
     print_table(results)
     check_targets(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{rows}x{V}": res for (rows, V), res
+                                               in results.items()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -742,3 +742,22 @@ def test_the_ratio_is_exactly_one_on_cuda_in_bf16(estimator, tiny_reward_model, 
                               progress=False)
     for row in results["iterations"]:
         assert row["ratio_min"] == row["ratio_max"] == 1.0
+
+
+def test_check_gpu_dry_run_and_its_one_line_without_a_gpu(tmp_path):
+    """`bench_ppo.py --check-gpu --dry-run`: the three steps at toy sizes on the CPU, one
+    table, the JSON; without --dry-run on a machine with no GPU, one line and status 1."""
+    out = run("bench_ppo.py", "--check-gpu", "--dry-run", "--out", str(tmp_path / "gc.json"),
+              timeout=900)
+    report = json.loads((tmp_path / "gc.json").read_text())
+    assert report["dry_run"] and report["tests"]["ok"] and report["kernels"]["ok"]
+    assert set(report["kernels"]["sizes"]["64x4097"]) >= {"naive", "fallback", "fused-linear"}
+    assert report["ppo"]["tiny fp32"]["ok"] and report["ppo"]["tiny fp32"]["ratio"] == [1, 1]
+    assert "3. PPO iterations" in out and "DRY RUN" in out
+    if not torch.cuda.is_available():
+        result = subprocess.run([sys.executable, "bench_ppo.py", "--check-gpu"],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 1
+        assert result.stderr.strip().splitlines() == [
+            "bench_ppo.py: error: no GPU found (torch.cuda.is_available() is False); "
+            "--dry-run checks the command on the CPU"]

@@ -1,0 +1,195 @@
+"""One command that checks a GPU: `python bench_ppo.py --check-gpu [--dry-run] [--out FILE]`.
+
+On a CUDA machine it runs three steps, prints one table and writes it as JSON to --out
+(default runs/gpu_check.json):
+    1. tests     the kernel suite with the Triton kernels compiled on CUDA tensors
+                 (tests/test_kernels.py; its CPU cases run under the interpreter in a fresh
+                 process, as the suite arranges)
+    2. kernels   kernels/bench.py on CUDA at 16 x 304 rows x 49,152 and x 151,936: time,
+                 peak extra memory and bandwidth (as a fraction of a device-to-device copy)
+                 of every path, against the post's and torch.compile of it
+    3. ppo       3 iterations of the blog preset in bf16 and in fp32, per phase, with random
+                 weights of SmolLM2-135M's architecture, and bf16 with a 151,936 vocabulary
+--dry-run runs the same steps on the CPU at toy sizes (a few kernel tests under the
+interpreter, 64 x 4097, 2 iterations of the tiny preset), so a machine without CUDA, and CI,
+can check the command itself. Without CUDA and without --dry-run it stops with one line.
+
+Weights do not matter for timing, so none travel. A model folder with a config and a
+tokenizer but no weights (3.4 MB, `loaders.save_architecture`) loads as random weights of
+that architecture (`loaders.load_model`); the reward model is built on it the same way, and
+the prompts are the post's template around filler text. `--prepare` writes the two folders
+into runs/gpu_check/ on a machine that has SmolLM2; carry that folder to the GPU machine.
+The check needs neither `gguf` nor `datasets` nor the hub there.
+
+Run:  python bench_ppo.py --check-gpu --prepare       (here, once: the model folders)
+      python bench_ppo.py --check-gpu                 (on the GPU machine, ~10 min on an H200)
+Test: pytest tests/test_ppo.py -k check_gpu           (the --dry-run)
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import loaders
+
+ROOT = Path(__file__).resolve().parent
+MODELS = {"smollm2": None, "vocab151936": 151936}        # folder name: vocabulary override
+PHASES = ("generate", "score", "forward", "update")
+
+
+def prepare(folder):
+    """The model folders (config and tokenizer, no weights) that the check loads."""
+    for name, vocab in MODELS.items():
+        loaders.save_architecture(Path(folder) / name, vocab)
+        print(f"wrote {Path(folder) / name}")
+
+
+def filler_pool(tokenizer, n, prompt_tokens):
+    """n posts in the post's template, each filling `prompt_tokens`: made-up text, for timing."""
+    body = " ".join(f"sentence {i} of a post written only to fill the prompt." for i in range(200))
+    post = {"subreddit": "test", "title": "a post for timing", "post": body,
+            "summary": "a summary for timing"}
+    prompt = loaders.fit_prompt(tokenizer, post, prompt_tokens)
+    return [{**post, "prompt": prompt} for _ in range(n)]
+
+
+def ppo_worker(model, preset, precision, iterations):
+    """`iterations` of ppo.train with random weights; prints one RESULT line of JSON."""
+    import lora
+    import ppo
+    import reward_model as rm
+    with tempfile.TemporaryDirectory() as out:
+        argv = ["--preset", preset, "--iterations", str(iterations), "--precision", precision,
+                "--checkpoint-every", "1000", "--out", out]
+        cfg = ppo.parse_args(argv + (["--model", model] if model else []))
+        device = loaders.pick_device()
+        reference, tokenizer = loaders.load_policy_and_tokenizer(cfg.model, preset=cfg.preset,
+                                                                 device=device)
+        settings = {"base_model": cfg.model, "tiny": preset == "tiny", "seed": 0,
+                    "lora_r": lora.LORA_R, "lora_alpha": lora.LORA_ALPHA, "lora_layers": 0,
+                    "resolved_from": "random weights, for timing"}
+        reward, _ = rm.build_reward_model(settings, device)
+        reward.settings.update(pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
+        pool = filler_pool(tokenizer, cfg.batch, cfg.prompt_tokens)
+        _, _, results = ppo.train(cfg, 0.1, 0, (reference, loaders.freeze(reward), tokenizer,
+                                                device), pool, out, progress=False)
+    print("RESULT " + json.dumps({"rows": results["iterations"],
+                                  "peak_gb": ppo.peak_memory_gb(device)}))
+
+
+def run(command, timeout):
+    """(return code, output) of a subprocess in the repository root."""
+    print("$ " + " ".join(command[1:]), flush=True)
+    out = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, capture_output=True,
+                         text=True, timeout=timeout)
+    return out.returncode, out.stdout + out.stderr
+
+
+def step_tests(dry_run):
+    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    code, output = run(command + (["-k", "worked_example"] if dry_run else []), 1200)
+    summary = [line for line in output.splitlines() if " passed" in line or " failed" in line]
+    return {"ok": code == 0, "summary": summary[-1].strip("= ") if summary else output[-500:]}
+
+
+def step_kernels(dry_run):
+    sizes = ["64x4097"] if dry_run else ["4864x49152", "4864x151936"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernels.json"
+        command = ["python", "kernels/bench.py", "--sizes", *sizes, "--rounds", "1",
+                   "--json", str(path)] + (["--device", "cpu"] if dry_run else [])
+        code, output = run(command, 1800)
+        return ({"ok": True, "sizes": json.loads(path.read_text())} if code == 0
+                else {"ok": False, "error": output[-2000:]})
+
+
+def step_ppo(dry_run, models_dir):
+    variants = ([("tiny fp32", None, "tiny", "fp32")] if dry_run else
+                [(f"{name} {precision}", str(Path(models_dir) / name), "blog", precision)
+                 for name, precision in (("smollm2", "bf16"), ("smollm2", "fp32"),
+                                         ("vocab151936", "bf16"))])
+    iterations = 2 if dry_run else 3
+    out = {}
+    for label, model, preset, precision in variants:
+        command = ["python", "check_gpu.py", "--ppo-worker", model or "", preset, precision,
+                   str(iterations)]
+        code, output = run(command, 1800)
+        line = [x for x in output.splitlines() if x.startswith("RESULT ")]
+        if code or not line:
+            out[label] = {"ok": False, "error": output[-2000:]}
+            continue
+        result = json.loads(line[0][len("RESULT "):])
+        rows = result["rows"][1:] or result["rows"]          # the first is the warm-up
+        out[label] = {"ok": True, "peak_gb": result["peak_gb"],
+                      "ratio": [min(r["ratio_min"] for r in result["rows"]),
+                                max(r["ratio_max"] for r in result["rows"])],
+                      **{key: statistics.median(r[key] for r in rows)
+                         for key in [f"seconds_{p}" for p in PHASES] + ["seconds"]}}
+    return out
+
+
+def print_table(report):
+    print(f"\nGPU check on {report['device']} (torch {report['torch']}, triton "
+          f"{report['triton']}){' -- DRY RUN on the CPU' if report['dry_run'] else ''}")
+    print(f"1. kernel tests: {'ok' if report['tests']['ok'] else 'FAILED'}: "
+          f"{report['tests']['summary']}")
+    kernels = report["kernels"]
+    print(f"2. kernels/bench.py: {'ok' if kernels['ok'] else 'FAILED'}")
+    for size, paths in kernels.get("sizes", {}).items():
+        for path, r in paths.items():
+            bandwidth = (f", {r['bytes_per_s'] / r['copy_bytes_per_s']:.0%} of copy bandwidth"
+                         if "bytes_per_s" in r else "")
+            print(f"   {size:>12} {path:<16} {r['seconds'] * 1e3:9.2f} ms  "
+                  f"{r['extra_bytes'] / 2**20:9.0f} MB extra{bandwidth}")
+    print("3. PPO iterations (median s after the first; ratio at the first inner step):")
+    print(f"   {'variant':<18}" + "".join(f"{p:>10}" for p in PHASES)
+          + f"{'total':>10}{'peak GB':>9}  ratio")
+    for label, r in report["ppo"].items():
+        if not r["ok"]:
+            print(f"   {label:<18} FAILED: {r['error'].splitlines()[-1] if r['error'] else ''}")
+            continue
+        print(f"   {label:<18}" + "".join(f"{r[f'seconds_{p}']:>10.2f}" for p in PHASES)
+              + f"{r['seconds']:>10.2f}{r['peak_gb']:>9.2f}  {r['ratio'][0]:.4f} to "
+              f"{r['ratio'][1]:.4f}")
+
+
+def main(dry_run=False, out="runs/gpu_check.json", models_dir="runs/gpu_check",
+         prepare_only=False):
+    if prepare_only:
+        return prepare(models_dir)
+    if not torch.cuda.is_available() and not dry_run:
+        sys.exit("bench_ppo.py: error: no GPU found (torch.cuda.is_available() is False); "
+                 "--dry-run checks the command on the CPU")
+    if not dry_run and not all((Path(models_dir) / name / "config.json").is_file()
+                               for name in MODELS):
+        prepare(models_dir)                     # where SmolLM2 is at hand; else carry them
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    start = time.time()
+    report = {"device": torch.cuda.get_device_name() if not dry_run else "cpu",
+              "torch": torch.__version__, "triton": triton_version, "dry_run": dry_run,
+              "tests": step_tests(dry_run), "kernels": step_kernels(dry_run),
+              "ppo": step_ppo(dry_run, models_dir)}
+    report["seconds"] = time.time() - start
+    print_table(report)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1))
+    print(f"\n{report['seconds']:.0f} s in all; the table as JSON in {out}")
+    ok = report["tests"]["ok"] and report["kernels"]["ok"] and all(
+        r["ok"] for r in report["ppo"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--ppo-worker"]:
+        model, preset, precision, iterations = sys.argv[2:6]
+        ppo_worker(model or None, preset, precision, int(iterations))
