@@ -18,7 +18,8 @@ Weights do not matter for timing, so none travel. A model folder with a config a
 tokenizer but no weights (3.4 MB, `loaders.save_architecture`) loads as random weights of
 that architecture (`loaders.load_model`); the reward model is built on it the same way, and
 the prompts are the post's template around filler text. `--prepare` writes the two folders
-into runs/gpu_check/ on a machine that has SmolLM2; carry that folder to the GPU machine.
+(and pytest's wheels) into runs/gpu_check/ on a machine that has SmolLM2; carry that folder
+to the GPU machine.
 The check needs neither `gguf` nor `datasets` nor the hub there.
 
 Run:  python bench_ppo.py --check-gpu --prepare       (here, once: the model folders)
@@ -26,6 +27,7 @@ Run:  python bench_ppo.py --check-gpu --prepare       (here, once: the model fol
 Test: pytest tests/test_ppo.py -k check_gpu           (the --dry-run)
 """
 
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -41,13 +43,24 @@ import loaders
 ROOT = Path(__file__).resolve().parent
 MODELS = {"smollm2": None, "vocab151936": 151936}        # folder name: vocabulary override
 PHASES = ("generate", "score", "forward", "update")
+WHEELS = ("pytest", "pluggy", "iniconfig", "packaging")
 
 
 def prepare(folder):
-    """The model folders (config and tokenizer, no weights) that the check loads."""
+    """The model folders (config and tokenizer, no weights) that the check loads, and wheels
+    of pytest (pure Python) for a GPU machine that lacks it and cannot download."""
     for name, vocab in MODELS.items():
         loaders.save_architecture(Path(folder) / name, vocab)
         print(f"wrote {Path(folder) / name}")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d",
+                    str(Path(folder) / "wheels"), *WHEELS], check=False)
+
+
+def ensure_pytest(folder):
+    """pytest, installed from the carried wheels if this machine has none."""
+    if importlib.util.find_spec("pytest") is None and (Path(folder) / "wheels").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
+                        "--find-links", str(Path(folder) / "wheels"), *WHEELS], check=False)
 
 
 def filler_pool(tokenizer, n, prompt_tokens):
@@ -174,6 +187,7 @@ def main(dry_run=False, out="runs/gpu_check.json", models_dir="runs/gpu_check",
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
+    ensure_pytest(models_dir)
     start = time.time()
     report = {"device": torch.cuda.get_device_name() if not dry_run else "cpu",
               "torch": torch.__version__, "triton": triton_version, "dry_run": dry_run,
