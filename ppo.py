@@ -67,6 +67,7 @@ Test:  pytest tests/test_ppo.py
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -241,6 +242,9 @@ def parse_args(argv=None):
             parser.error(problem)
     if cfg.precision == "auto":
         cfg.precision = "bf16" if native_bf16(loaders.pick_device()) else "fp32"
+    if cfg.precision == "bf16" and loaders.pick_device().type == "mps":
+        parser.error("argument --precision: bf16 runs on CUDA and on CPUs here; on Apple MPS "
+                     "use fp32 (bf16 autocast there is untested)")
     if cfg.estimator in ("rloo", "grpo") and cfg.samples_per_prompt < 2:
         parser.error(f"argument --samples-per-prompt: --estimator {cfg.estimator} needs at "
                      f"least 2 samples per prompt, got {cfg.samples_per_prompt}")
@@ -339,15 +343,21 @@ def native_bf16(device):
 
 def precision(cfg, device):
     """The context for every transformer-body pass: bf16 autocast with --precision bf16,
-    else nothing (fp32, as the post). The log-prob gather and the value head opt out of it
+    else nothing at all (fp32, as the post; and no autocast object on Apple MPS, which
+    torch 2.4 does not know). The log-prob gather and the value head opt out of it
     (`heads_in_fp32`), so log-probs, values and losses are fp32 either way."""
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
-                          enabled=cfg.precision == "bf16")
+    if cfg.precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 def heads_in_fp32(hidden):
-    """Autocast off, for the LM and value heads that read `hidden` (the bodies may be bf16)."""
-    return torch.autocast(hidden.device.type, enabled=False)
+    """Autocast off, for the LM and value heads that read `hidden`, where the bodies ran under
+    it (bf16 on CUDA or the CPU); nothing otherwise."""
+    kind = hidden.device.type
+    if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
 
 
 # ------------------------------------------------------------- generating and scoring

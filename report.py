@@ -25,6 +25,7 @@ import os
 import resource
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -207,10 +208,13 @@ def load_checkpoint(run_dir, policy, value_head, optimizer):
 
 
 def peak_memory_gb(device):
-    """Peak memory: CUDA's allocator peak, else the process's peak resident set (Linux KiB)."""
+    """Peak memory: CUDA's allocator peak, else the process's peak resident memory (Linux
+    reports it in KiB, taken as GB / 1e6 here; macOS in bytes). On MPS the GPU shares that
+    memory, and torch.mps keeps no peak: the resident peak is what there is."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1e9 if sys.platform == "darwin" else 1e6)
 
 
 # ------------------------------------------------------------------ tables and plots

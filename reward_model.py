@@ -483,7 +483,8 @@ def score_texts(model, tokenizer, prompts, summaries, max_prompt_tokens=None, ba
 
 def base_fingerprint(model):
     """A checksum of the frozen base, to catch an adapter loaded onto other weights."""
-    return float(model.body.embed_tokens.weight[:64].double().sum())
+    first = model.body.embed_tokens.weight[:64].detach().cpu()       # MPS has no float64
+    return float(first.double().sum())
 
 
 def save_reward_model(model, folder):
