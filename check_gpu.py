@@ -18,9 +18,9 @@ Weights do not matter for timing, so none travel. A model folder with a config a
 tokenizer but no weights (3.4 MB, `loaders.save_architecture`) loads as random weights of
 that architecture (`loaders.load_model`); the reward model is built on it the same way, and
 the prompts are the post's template around filler text. `--prepare` writes the two folders
-(and pytest's wheels) into runs/gpu_check/ on a machine that has SmolLM2; carry that folder
-to the GPU machine.
-The check needs neither `gguf` nor `datasets` nor the hub there.
+and the wheels of pytest and Liger-Kernel (installed there only where missing) into
+runs/gpu_check/ on a machine that has SmolLM2: carry that folder to the GPU machine. The
+check needs neither `gguf` nor `datasets` nor the hub there.
 
 Run:  python bench_ppo.py --check-gpu --prepare       (here, once: the model folders)
       python bench_ppo.py --check-gpu                 (on the GPU machine, ~10 min on an H200)
@@ -43,7 +43,9 @@ import loaders
 ROOT = Path(__file__).resolve().parent
 MODELS = {"smollm2": None, "vocab151936": 151936}        # folder name: vocabulary override
 PHASES = ("generate", "score", "forward", "update")
-WHEELS = ("pytest", "pluggy", "iniconfig", "packaging")
+# Pure-Python wheels that travel with the model folders, and the module each provides.
+WHEELS = {"pytest": "pytest", "pluggy": "pluggy", "iniconfig": "iniconfig",
+          "packaging": "packaging", "liger-kernel": "liger_kernel"}
 
 
 def prepare(folder):
@@ -56,11 +58,14 @@ def prepare(folder):
                     str(Path(folder) / "wheels"), *WHEELS], check=False)
 
 
-def ensure_pytest(folder):
-    """pytest, installed from the carried wheels if this machine has none."""
-    if importlib.util.find_spec("pytest") is None and (Path(folder) / "wheels").is_dir():
+def ensure_packages(folder):
+    """pytest, and Liger-Kernel to time against, from the carried wheels where missing."""
+    missing = [wheel for wheel, module in WHEELS.items()
+               if importlib.util.find_spec(module) is None]
+    if missing and (Path(folder) / "wheels").is_dir():
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
-                        "--find-links", str(Path(folder) / "wheels"), *WHEELS], check=False)
+                        "--no-deps", "--find-links", str(Path(folder) / "wheels"), *missing],
+                       check=False)
 
 
 def filler_pool(tokenizer, n, prompt_tokens):
@@ -187,7 +192,7 @@ def main(dry_run=False, out="runs/gpu_check.json", models_dir="runs/gpu_check",
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    ensure_pytest(models_dir)
+    ensure_packages(models_dir)
     start = time.time()
     report = {"device": torch.cuda.get_device_name() if not dry_run else "cpu",
               "torch": torch.__version__, "triton": triton_version, "dry_run": dry_run,

@@ -17,6 +17,10 @@ gradient dL/dlogp (what PPO's loss sends back):
                   ppo.py's lm_head is: route 1 of kernels/fused_linear.py)
     compiled, compiled-linear    torch.compile of naive and of naive-linear (CUDA only: what a
                   reader would try first; compiled in the warm-up, outside the clock)
+    liger, liger-linear          Liger-Kernel's cross-entropy and fused linear cross-entropy with
+                  reduction="none", negated (per token, -log p at the target): today's best
+                  open Triton kernels for these ops (CUDA, when liger_kernel is importable;
+                  left out with a line if they fail)
 
 fallback, triton and compiled are compared with naive, fused-linear and compiled-linear with
 naive-linear, in the same run. --json FILE also writes the table's numbers.
@@ -42,6 +46,7 @@ Method.
 """
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import resource
@@ -60,8 +65,9 @@ import kernels  # noqa: E402
 
 HIDDEN = 576                            # SmolLM2-135M's hidden width
 COMPARATOR = {"naive": "naive", "fallback": "naive", "triton": "naive", "compiled": "naive",
-              "naive-linear": "naive-linear", "fused-linear": "naive-linear",
-              "compiled-linear": "naive-linear"}
+              "liger": "naive", "naive-linear": "naive-linear", "fused-linear": "naive-linear",
+              "compiled-linear": "naive-linear", "liger-linear": "naive-linear"}
+OPTIONAL = ("liger", "liger-linear")           # another project's API: a failure leaves them out
 # The issue's targets at 16 x 304 rows x 49,152: (peak extra memory, time), both vs comparator.
 TARGETS = {"fallback": (0.5, 1.0), "fused-linear": (0.2, 1.3)}
 
@@ -108,6 +114,13 @@ def run_path(path, inputs):
         logp = compiled(naive)(*inputs)
     elif path == "compiled-linear":
         logp = compiled(naive_linear)(*inputs)
+    elif path == "liger":
+        from liger_kernel.transformers.functional import liger_cross_entropy
+        logp = -liger_cross_entropy(*inputs, reduction="none")
+    elif path == "liger-linear":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+        hidden, weight, actions = inputs
+        logp = -liger_fused_linear_cross_entropy(hidden, weight, actions, reduction="none")
     else:
         kernels.set_backend("torch" if path == "fallback" else "triton")
         logp = kernels.gather_log_probs(*inputs)
@@ -191,8 +204,15 @@ def bench_size(rows, V, paths, device, dtype, rounds):
         return {}
     runs = {p: [] for p in paths}
     for r in range(rounds):
-        for p in paths:
-            runs[p].append(measure(p, rows, V, device, dtype))
+        for p in list(runs):
+            try:
+                runs[p].append(measure(p, rows, V, device, dtype))
+            except RuntimeError as error:
+                if p not in OPTIONAL:
+                    raise
+                print(f"  {p} failed, left out: {str(error).splitlines()[-1]}", flush=True)
+                del runs[p]
+                continue
             print(f"  round {r + 1}/{rounds} {rows}x{V} {p}: {runs[p][-1]['seconds']:.2f} s",
                   flush=True)
     return {p: {"seconds": statistics.median(x["seconds"] for x in rs),
@@ -259,6 +279,8 @@ def main():
     cuda = args.device == "cuda"
     paths = ["naive", "fallback"] + (["triton", "compiled"] if cuda else [])
     paths += ["naive-linear", "fused-linear"] + (["compiled-linear"] if cuda else [])
+    if cuda and importlib.util.find_spec("liger_kernel"):
+        paths += ["liger", "liger-linear"]
     threads = torch.get_num_threads()
     print(f"device {args.device}, {args.dtype}, {threads} CPU threads, {args.rounds} rounds, "
           f"hidden width {HIDDEN}; load average {os.getloadavg()[0]:.1f} at the start", flush=True)
