@@ -103,12 +103,16 @@ def main():
                         help="with --check-gpu: only write the weightless model folders")
     parser.add_argument("--out", default="runs/gpu_check.json",
                         help="with --check-gpu: where the table goes, as JSON")
+    parser.add_argument("--steps", nargs="+", default=["tests", "kernels", "ppo"],
+                        choices=["tests", "kernels", "ppo"],
+                        help="with --check-gpu: run only these steps (default all three)")
     parser.add_argument("--worker", choices=["post", "ours"], help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.check_gpu:
         import check_gpu
-        sys.exit(check_gpu.main(args.dry_run, args.out, prepare_only=args.prepare))
+        sys.exit(check_gpu.main(args.dry_run, args.out, prepare_only=args.prepare,
+                                steps=args.steps))
     if args.worker:
         return worker(args.worker, args.iterations, args.micro_batch, args.reward_model,
                       args.precision)
