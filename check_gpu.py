@@ -199,7 +199,8 @@ def main(dry_run=False, out="runs/gpu_check.json", models_dir="runs/gpu_check",
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    ensure_packages(models_dir)
+    if not dry_run:                             # a GPU machine may lack them; this one not
+        ensure_packages(models_dir)
     start = time.time()
     report = {"device": torch.cuda.get_device_name() if not dry_run else "cpu",
               "torch": torch.__version__, "triton": triton_version, "dry_run": dry_run,
