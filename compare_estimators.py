@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from evaluate import standard_error
+from report import finished_row, read_results
 
 SETTINGS = {          # name: ppo.py flags; each draws --batch x k = 8 responses an iteration
     "gae": ["--estimator", "gae", "--batch", "8"],
@@ -60,12 +61,10 @@ def rows(name, args):
     for seed in args.seeds:
         folder = Path(args.out) / name              # ppo.py's layout: a folder per run
         folder = folder / f"beta{args.beta:g}_seed{seed}" if len(args.seeds) > 1 else folder
-        path = folder / "results.json"
-        results = json.loads(path.read_text()) if path.is_file() else {}
-        final = results.get("final") or {}
-        out.append({"setting": name, "seed": seed, "failed": results.get("failed"),
-                    "seconds": sum(r["seconds"] for r in results.get("iterations", [])),
-                    **{k: v for k, v in final.items() if not k.endswith("samples")}})
+        results = read_results(folder) or {}
+        row = finished_row(folder, 0) or {}         # the final numbers, or the failure
+        out.append({**row, "setting": name, "seed": seed, "failed": row.get("failed"),
+                    "seconds": sum(r["seconds"] for r in results.get("iterations", []))})
     return out
 
 

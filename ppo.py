@@ -613,7 +613,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
     k, reinforce_baseline = cfg.samples_per_prompt, None
     controller = AdaptiveKLController(beta, cfg.target_kl) if cfg.target_kl else None
     # `commits`: the code of every process that wrote iterations here (a resumed run has two)
-    results = {"config": {**dataclasses.asdict(cfg), "beta": beta, "seed": seed},
+    results = {"config": run_config(cfg, beta, seed),
                "commits": [git_commit()], "iterations": [], "final": None}
     start = 0
     if cfg.resume and has_checkpoint(run_dir):
@@ -682,6 +682,8 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
             else:                                       # the response as one action (gae.py)
                 # R(x, y) = r_phi(x, y) - beta sum_t D_KL^(t), its baseline from other samples
                 R = sequence_rewards(scores, kl, mask, current_beta)            # (B,)
+                # A_i = R_i - b_i; b_i the mean of the prompt's other samples (rloo), a moving
+                # average (reinforce), the group mean, A_i then / group std (grpo)
                 adv, reinforce_baseline = sequence_advantages(
                     cfg.estimator, R, prompt_of, reinforce_baseline, cfg.reinforce_decay,
                     cfg.grpo_unbiased)                                          # (B,)
@@ -788,6 +790,11 @@ def runs(cfg):
     return [(beta, seed) for beta in cfg.beta for seed in cfg.seeds]
 
 
+def run_config(cfg, beta, seed):
+    """One run's settings, as results.json keeps them: the config with its beta and seed."""
+    return {**dataclasses.asdict(cfg), "beta": beta, "seed": seed}
+
+
 def run_dir_for(cfg, beta, seed):
     sweep = len(runs(cfg)) > 1
     base = Path(cfg.out or ("runs/ppo_sweep" if sweep else f"runs/ppo_beta{beta:g}_seed{seed}"))
@@ -822,7 +829,7 @@ def main(argv=None):
     folder = Path(cfg.out or "runs/ppo_sweep") if len(plan) > 1 else plan[0][2]
     base = reference_and_human(cfg, models, held_out, folder)
 
-    started, trained = time.time(), 0
+    started, trained, base_saved = time.time(), 0, False
     for k, (beta, seed, run_dir) in enumerate(plan):
         if cfg.resume and finished_row(run_dir, cfg.iterations):
             print(f"{run_dir}: finished before, skipped")
@@ -836,10 +843,11 @@ def main(argv=None):
                 if len(plan) == 1:
                     raise
                 print(f"beta={beta:g} seed={seed} failed: {error}")    # a row, not a gap
-                record_failure(run_dir, {**dataclasses.asdict(cfg), "beta": beta,
-                                         "seed": seed}, error)
+                record_failure(run_dir, run_config(cfg, beta, seed), error)
                 continue
-        write_json(folder / "baseline.json", base)      # for a resumed sweep to read back
+        if not base_saved:                      # once, for a resumed sweep to read back
+            write_json(folder / "baseline.json", base)
+            base_saved = True
         evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir)
         trained += cfg.iterations - start
         left = sum(not finished_row(d, cfg.iterations) for _, _, d in plan[k + 1:])

@@ -23,6 +23,7 @@ import cli
 import loaders
 import ppo
 import reward_model as rm
+from test_reward_model import tiny_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PPO = "ppo --preset tiny --reward-model {w}/rm --out {w}/out"
@@ -110,10 +111,7 @@ def world(tmp_path_factory, small_data):
         b"\xff\xfe not json")
     shutil.copytree(small_data, w / "small")            # 40 real posts
     # a tiny reward model, untrained (loading is what is tested), and two broken copies
-    settings = {"base_model": loaders.POLICY_NAME, "tiny": True, "seed": 0, "lora_layers": 0,
-                "lora_r": 16, "lora_alpha": 32, "max_prompt_tokens": 64,
-                "max_summary_tokens": 24, "resolved_from": "test", "pad_id": 2, "eos_id": 2}
-    model, _ = rm.build_reward_model(settings)
+    model, _ = rm.build_reward_model(tiny_settings())
     (w / "rm").mkdir()
     rm.save_reward_model(model, w / "rm")
     for name, broken in (("rm_bad_head", "head.safetensors"), ("rm_bad_config", "config.json")):
