@@ -82,6 +82,7 @@ from pathlib import Path
 # reward_model.py); sleeping ones cost nothing measurable on an idle one. Before torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import parallel  # noqa: E402  (before tqdm: it turns the bars off on ranks other than 0)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -578,13 +579,14 @@ def check_finite(iteration, **named):
 
     Called before the backward pass and the optimizer step, and before the iteration's
     results row and checkpoint are written: the last checkpoint is the last good state.
+    Under torchrun it counts every rank's values, so every rank stops, or none.
     """
     for name, x in named.items():
-        bad = ~torch.isfinite(x)
-        if bad.any():
+        bad = parallel.total(int((~torch.isfinite(x)).sum()))     # every rank's: all stop
+        if bad:
             raise NonFiniteError(f"iteration {iteration}: the {name} is NaN or inf in "
-                                 f"{int(bad.sum())} of {x.numel()} values; stopped there, "
-                                 "and the last checkpoint (if any) is intact")
+                                 f"{bad} of {parallel.total(x.numel())} values; stopped "
+                                 "there, and the last checkpoint (if any) is intact")
 
 
 # ------------------------------------------------------------------------- the loop
@@ -593,7 +595,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
     """One PPO run. Writes results.json every iteration and checkpoints; returns the policy."""
     reference, reward, tokenizer, device = models
     eos = tokenizer.eos_token_id
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)                     # the same adapter and value head on every rank
     # The post deep-copies the reference; sharing its frozen tensors gives the same model
     # without a second copy of the weights (both are frozen, only the adapter trains).
     policy = with_lora(copy.deepcopy(reference, memo={id(p): p for p in reference.parameters()}))
@@ -602,8 +604,10 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
     if cfg.estimator == "gae":
         value_head = init_value_head(ValueHead(reference.config.hidden_size).to(device),
                                      cfg.value_init, reward)
+    adapter = [p for p in policy.parameters() if p.requires_grad]
+    trainable = adapter + (list(value_head.parameters()) if value_head else [])
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.lr}]
+        [{"params": adapter, "lr": cfg.lr}]
         + ([{"params": value_head.parameters(), "lr": cfg.value_lr}] if value_head else []))
     if value_head is None:
         print(f"--estimator {cfg.estimator}: no value head, no value loss; the baseline is "
@@ -612,6 +616,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
                  "grpo": "the mean of the prompt's samples"}[cfg.estimator])
     k, reinforce_baseline = cfg.samples_per_prompt, None
     controller = AdaptiveKLController(beta, cfg.target_kl) if cfg.target_kl else None
+    parallel.seed_sampling(seed)                # under torchrun, each rank its own stream
     # `commits`: the code of every process that wrote iterations here (a resumed run has two)
     results = {"config": run_config(cfg, beta, seed),
                "commits": [git_commit()], "iterations": [], "final": None}
@@ -634,7 +639,9 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
     for iteration in bar:
         timer, t0 = {}, time.perf_counter()
         # ---- 1. generate: sample k summaries for each post with the current policy
-        posts = [p for p in batch_for(pool, iteration, cfg.batch, seed) for _ in range(k)]
+        # (under torchrun, each rank its share of the posts: parallel.py)
+        draw = parallel.mine(batch_for(pool, iteration, cfg.batch, seed))
+        posts = [p for p in draw for _ in range(k)]
         prompt_of = torch.arange(cfg.batch, device=device).repeat_interleave(k)  # (B,) post
         prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in posts], device)
         with precision(cfg, device):
@@ -672,66 +679,40 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
             current_beta = controller.beta if controller else beta
             # (3)  r_t = -beta D_KL^(t) + 1{t=T} r_score, T each response's last real token
             rewards = shaped_rewards(logp_old, logp_ref, scores, current_beta, mask, kl=kl)
+            # Whitening and baselines see the whole batch, every rank's rows (parallel.py)
             if cfg.estimator == "gae":
                 if cfg.whiten_rewards:                  # Stiennon et al.: rescaled, not shifted
-                    rewards = whiten(rewards, mask, shift_mean=False)
+                    rewards = parallel.across(whiten, rewards, mask, shift_mean=False)
                 # (5)-(7)  delta_t, A_t = sum_l (gamma lam)^l delta_{t+l}, R_t = A_t + V(s_t)
                 adv, ret = advantages_and_returns(rewards, values, mask, cfg.gamma,
                                                   cfg.lam)                  # (B, T) each
-                adv = whiten(adv, mask)                 # (B, T) over real tokens only
+                adv = parallel.across(whiten, adv, mask)        # (B, T) over real tokens only
             else:                                       # the response as one action (gae.py)
                 # R(x, y) = r_phi(x, y) - beta sum_t D_KL^(t), its baseline from other samples
                 R = sequence_rewards(scores, kl, mask, current_beta)            # (B,)
                 # A_i = R_i - b_i; b_i the mean of the prompt's other samples (rloo), a moving
                 # average (reinforce), the group mean, A_i then / group std (grpo)
                 adv, reinforce_baseline = sequence_advantages(
-                    cfg.estimator, R, prompt_of, reinforce_baseline, cfg.reinforce_decay,
-                    cfg.grpo_unbiased)                                          # (B,)
+                    cfg.estimator, parallel.gather(R), prompt_of, reinforce_baseline,
+                    cfg.reinforce_decay, cfg.grpo_unbiased)                     # (B,)
                 # A_i on each real token, not whitened; GRPO averages a response's tokens
-                adv = per_token(adv, mask, length_normalise=cfg.estimator == "grpo"
-                                and not cfg.grpo_unbiased)                      # (B, T)
+                adv = per_token(parallel.mine(adv), mask, length_normalise=cfg.estimator
+                                == "grpo" and not cfg.grpo_unbiased)            # (B, T)
                 ret = None                              # no value head to fit
             check_finite(iteration, reward=rewards, advantage=adv)
         timer["forward"] = time.perf_counter() - t
 
         # ---- 5. INNER_STEPS clipped updates on this batch
         t = time.perf_counter()
-        n_tok = mask.sum()                              # real tokens in the whole batch
+        batch = Rollout(iteration, sequences, attention, actions, mask, logp_old, values, adv,
+                        ret, groups, posts)
         logs = []
         for step in range(cfg.inner_steps):
             optimizer.zero_grad(set_to_none=True)
-            log, ratios = dict.fromkeys(("policy_loss", "value_loss", "entropy", "clipfrac",
-                                         "approx_kl", "ptx_loss"), 0.0), []   # ratios: (min, max)s
-            for rows, first in groups:                  # same gradient as one batch
-                with precision(cfg, device):
-                    logp, v, entropy = policy_forward(policy, value_head, sequences[rows, first:],
-                                                      attention[rows, first:], actions[rows],
-                                                      cfg.temperature, with_entropy=True)
-                if step == 0:                           # the post's probe, before any gradient
-                    # (8) r_t = exp(logp - logp_old) on real tokens: exactly 1 before a step
-                    ratios += check_ratio((logp - logp_old[rows]).exp().detach()[mask[rows].bool()])
-                pl, vl, el, stats = ppo_losses(logp, logp_old[rows], adv[rows], v,
-                                               None if ret is None else ret[rows], mask[rows],
-                                               cfg.clip, entropy, len(posts), n_tok,
-                                               values[rows], cfg.value_clip)
-                # (14) L_total = L_policy + c_v L_value + c_ent L_ent + c_ptx L_ptx
-                loss = pl + cfg.vf_coef * vl + cfg.ent_coef * el
-                if cfg.ptx_coef:                        # (13) on these posts' human TL;DRs
-                    with precision(cfg, device):
-                        lm = ptx_loss(policy, tokenizer, [posts[r] for r in rows.tolist()],
-                                      device, cfg.temperature)
-                    loss = loss + cfg.ptx_coef * lm * (len(rows) / len(posts))
-                    log["ptx_loss"] += lm.item() * len(rows) / len(posts)
-                check_finite(iteration, loss=loss)
-                loss.backward()
-                share = mask[rows].sum().item() / n_tok.item()      # this part's real tokens
-                log["policy_loss"] += pl.item()
-                log["value_loss"] += vl.item()
-                log["entropy"] -= el.item()
-                log["clipfrac"] += stats["clipfrac"].item() * share
-                log["approx_kl"] += stats["approx_kl"].item() * share
-            if step == 0:
-                ratio_min, ratio_max = min(ratios), max(ratios)
+            log, ratios = accumulate_gradients(policy, value_head, batch, cfg, tokenizer)
+            parallel.sum_gradients(trainable)           # torchrun: the whole batch's gradient
+            if step == 0:       # the post's probe, before any step, on every rank's tokens
+                ratio_min, ratio_max = check_ratio(parallel.gather(ratios))
                 bar.write(f"iteration {iteration}: ratio at the first inner step "
                           f"{ratio_min:.4f} to {ratio_max:.4f} (clip range "
                           f"{1 - cfg.clip:.1f} to {1 + cfg.clip:.1f})")
@@ -739,9 +720,10 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
             logs.append(log)
         timer["update"] = time.perf_counter() - t
 
-        # ---- metrics
-        row = iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mask,
-                                actions, eos, logs, ratio_min, ratio_max, current_beta)
+        # ---- metrics, on the whole batch (under torchrun, every rank's rows)
+        whole = map(parallel.gather, (scores, rewards, kl, logp_old, values, ret, mask, actions))
+        row = iteration_metrics(iteration, *whole, eos, logs, ratio_min, ratio_max,
+                                current_beta)
         if controller:                                  # on the batch's KL per sequence
             controller.update(row["kl"])
         row.update({f"seconds_{k}": round(v, 3) for k, v in timer.items()},
@@ -755,6 +737,66 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         bar.set_postfix(reward=f"{row['reward']:.2f}", kl=f"{row['kl']:.2f}",
                         len=f"{row['response_length']:.1f}", ratio=f"{ratio_max:.4f}")
     return policy, value_head, results
+
+
+@dataclass
+class Rollout:
+    """One iteration's batch, as the inner steps read it (this rank's rows under torchrun):
+    sequences and attention (B, P+T); actions, mask, logp_old, values, adv and ret (B, T),
+    ret None without a value head; the micro-batches' (rows, first column); the posts."""
+    iteration: int
+    sequences: torch.Tensor
+    attention: torch.Tensor
+    actions: torch.Tensor
+    mask: torch.Tensor
+    logp_old: torch.Tensor
+    values: torch.Tensor
+    adv: torch.Tensor
+    ret: torch.Tensor
+    groups: list
+    posts: list
+
+
+def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
+    """One inner step's forward and backward passes, micro-batch by micro-batch. Each part's
+    loss is its share of the whole batch's (14), so the gradients add up to the whole batch's
+    (across ranks too, once `parallel.sum_gradients` has summed them). Returns the step's log
+    (whole batch) and the ratio's min and max in each micro-batch, (2 x parts,)."""
+    n_seq = parallel.total(len(batch.posts))            # responses in the whole batch
+    n_tok = parallel.total(batch.mask.sum())            # real tokens in the whole batch
+    log, ratios = dict.fromkeys(("policy_loss", "value_loss", "entropy", "clipfrac",
+                                 "approx_kl", "ptx_loss"), 0.0), []
+    for rows, first in batch.groups:                    # same gradient as one batch
+        mask, logp_old = batch.mask[rows], batch.logp_old[rows]
+        with precision(cfg, batch.sequences.device):
+            logp, v, entropy = policy_forward(policy, value_head, batch.sequences[rows, first:],
+                                              batch.attention[rows, first:],
+                                              batch.actions[rows], cfg.temperature,
+                                              with_entropy=True)
+        # (8) r_t = exp(logp - logp_old) on real tokens: exactly 1 before the first step
+        ratio = (logp - logp_old).exp().detach()[mask.bool()]
+        ratios += [ratio.min(), ratio.max()]
+        pl, vl, el, stats = ppo_losses(logp, logp_old, batch.adv[rows], v,
+                                       None if batch.ret is None else batch.ret[rows], mask,
+                                       cfg.clip, entropy, n_seq, n_tok, batch.values[rows],
+                                       cfg.value_clip)
+        # (14) L_total = L_policy + c_v L_value + c_ent L_ent + c_ptx L_ptx
+        loss = pl + cfg.vf_coef * vl + cfg.ent_coef * el
+        if cfg.ptx_coef:                                # (13) on these posts' human TL;DRs
+            with precision(cfg, batch.sequences.device):
+                lm = ptx_loss(policy, tokenizer, [batch.posts[r] for r in rows.tolist()],
+                              batch.sequences.device, cfg.temperature)
+            loss = loss + cfg.ptx_coef * lm * (len(rows) / n_seq)
+            log["ptx_loss"] += lm.item() * len(rows) / n_seq
+        check_finite(batch.iteration, loss=loss)
+        loss.backward()
+        share = mask.sum().item() / n_tok.item()        # this part's real tokens
+        log["policy_loss"] += pl.item()
+        log["value_loss"] += vl.item()
+        log["entropy"] -= el.item()
+        log["clipfrac"] += stats["clipfrac"].item() * share
+        log["approx_kl"] += stats["approx_kl"].item() * share
+    return parallel.total(log), torch.stack(ratios)
 
 
 def iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mask, actions,
@@ -772,7 +814,7 @@ def iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mas
     def avg(key):                                               # over the inner steps
         return sum(log[key] for log in logs) / len(logs)
 
-    return {"iteration": iteration, "reward": scores.mean().item(),
+    return {"iteration": iteration, "responses": len(scores), "reward": scores.mean().item(),
             "non_score_reward": non_score.mean().item(), "kl": per_seq_kl.mean().item(),
             "response_length": m.sum(-1).float().mean().item(),
             "eos_fraction": ended_with_eos(actions, m, eos).float().mean().item(),
@@ -791,8 +833,10 @@ def runs(cfg):
 
 
 def run_config(cfg, beta, seed):
-    """One run's settings, as results.json keeps them: the config with its beta and seed."""
-    return {**dataclasses.asdict(cfg), "beta": beta, "seed": seed}
+    """One run's settings, as results.json keeps them: the config with its beta and seed, and
+    the number of processes (torchrun's ranks; each samples its own stream)."""
+    return {**dataclasses.asdict(cfg), "beta": beta, "seed": seed,
+            "processes": parallel.size()}
 
 
 def run_dir_for(cfg, beta, seed):
@@ -802,11 +846,16 @@ def run_dir_for(cfg, beta, seed):
 
 
 def main(argv=None):
+    parallel.setup()                                    # under torchrun only (parallel.py)
     cfg = parse_args(argv)
+    if cfg.batch % parallel.size():
+        raise cli.UserError(f"--batch {cfg.batch} does not split evenly over "
+                            f"{parallel.size()} processes; pass a multiple of {parallel.size()}")
     plan = check_run_folders([(beta, seed, run_dir_for(cfg, beta, seed)) for beta, seed in
-                              runs(cfg)], dataclasses.asdict(cfg), RESUME_MAY_CHANGE)
+                              runs(cfg)], run_config(cfg, None, None), RESUME_MAY_CHANGE)
     device = loaders.pick_device()
-    print(f"preset {cfg.preset} on {device}: " + ", ".join(
+    print(f"preset {cfg.preset} on {device}" + (f", {parallel.size()} processes"
+                                                 if parallel.size() > 1 else "") + ": " + ", ".join(
         f"{k}={getattr(cfg, k)}" for k in ("iterations", "batch", "prompt_tokens",
                                            "max_new_tokens", "inner_steps", "lr", "value_lr",
                                            "clip", "gamma", "lam", "micro_batch", "precision",
@@ -827,7 +876,8 @@ def main(argv=None):
 
     from heldout import evaluate_run, reference_and_human  # it imports this file: not at the top
     folder = Path(cfg.out or "runs/ppo_sweep") if len(plan) > 1 else plan[0][2]
-    base = reference_and_human(cfg, models, held_out, folder)
+    # The held-out evaluation runs on rank 0 alone; the others wait at their next collective.
+    base = reference_and_human(cfg, models, held_out, folder) if parallel.is_main() else None
 
     started, trained, base_saved = time.time(), 0, False
     for k, (beta, seed, run_dir) in enumerate(plan):
@@ -836,9 +886,11 @@ def main(argv=None):
             continue
         start = checkpoint_iteration(run_dir) if cfg.resume else 0
         # A run that fails before its first checkpoint leaves no folder behind.
-        with cli.new_folders(run_dir, keep=has_checkpoint):
+        with (cli.new_folders(run_dir, keep=has_checkpoint) if parallel.is_main()
+              else contextlib.nullcontext()):
             try:
-                policy, _, results = train(cfg, beta, seed, models, pool, run_dir)
+                policy, _, results = train(cfg, beta, seed, models, pool, run_dir,
+                                           progress=parallel.is_main())
             except NonFiniteError as error:
                 if len(plan) == 1:
                     raise
@@ -848,14 +900,15 @@ def main(argv=None):
         if not base_saved:                      # once, for a resumed sweep to read back
             write_json(folder / "baseline.json", base)
             base_saved = True
-        evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir)
+        if parallel.is_main():
+            evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir)
         trained += cfg.iterations - start
         left = sum(not finished_row(d, cfg.iterations) for _, _, d in plan[k + 1:])
         if left and trained:    # at this process's pace so far, evaluation included
             eta = (time.time() - started) / trained * cfg.iterations * left
             print(f"sweep: {len(plan) - left} of {len(plan)} runs over, about "
                   + (f"{eta / 60:.0f} min" if eta > 90 else f"{eta:.0f} s") + " to go")
-    if len(plan) > 1:           # the table, rebuilt from every run's results.json
+    if len(plan) > 1 and parallel.is_main():    # the table, from every run's results.json
         report_sweep([finished_row(d, cfg.iterations) for _, _, d in plan], base["baseline"],
                      folder)
 

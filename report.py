@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import cli
+import parallel
 from evaluate import spearman, standard_error
 from lora import AdapterMismatch, load_adapter, save_adapter
 
@@ -55,7 +56,10 @@ def git_commit():
 
 
 def write_json(path, obj):
-    """Write JSON next to `path` and rename it into place: never half-written."""
+    """Write JSON next to `path` and rename it into place: never half-written. Under torchrun
+    rank 0 alone writes (parallel.py)."""
+    if not parallel.is_main():
+        return
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as handle:
@@ -159,7 +163,11 @@ def load_baseline(path, key):
 def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controller_beta,
                     reinforce_baseline=None):
     """Adapter, value head (if any), optimizer moments, RNG state and the REINFORCE baseline,
-    as safetensors + JSON."""
+    as safetensors + JSON. Under torchrun every rank calls it and rank 0 writes, with every
+    rank's RNG state ("rng.torch" for rank 0, "rng.torch.1" for rank 1, ...)."""
+    rng = parallel.rng_states()                 # a collective: before rank 0 goes its way
+    if not parallel.is_main():
+        return
     staging = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint-"))
     save_adapter(policy, staging / "adapter.safetensors")
     if value_head is not None:
@@ -171,7 +179,8 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
                 tensors[f"{i}.{key}"] = value.contiguous()
             else:
                 scalars[f"{i}.{key}"] = float(value)
-    tensors["rng.torch"] = torch.get_rng_state()
+    for rank, state in enumerate(rng):
+        tensors["rng.torch" + (f".{rank}" if rank else "")] = state
     save_file(tensors, str(staging / "optimizer_rng.safetensors"))
     write_json(staging / "state.json", {"iteration": iteration, "beta": controller_beta,
                                         "reinforce_baseline": reinforce_baseline,
@@ -180,8 +189,8 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
 
 
 def load_checkpoint(run_dir, policy, value_head, optimizer):
-    """Restore what `save_checkpoint` wrote; returns (next iteration, beta, the REINFORCE
-    baseline or None)."""
+    """Restore what `save_checkpoint` wrote, with this rank's RNG state; returns (next
+    iteration, beta, the REINFORCE baseline or None)."""
     folder = Path(run_dir) / "checkpoint"
     expected = "a checkpoint written by ppo.py with this preset (delete it to start over)"
     with cli.reading(folder / "state.json", expected):
@@ -197,13 +206,19 @@ def load_checkpoint(run_dir, policy, value_head, optimizer):
     groups = saved["param_groups"]
     restored = {}
     for name, value in list(tensors.items()) + list(state["optimizer_scalars"].items()):
-        if name == "rng.torch":
+        if name.startswith("rng.torch"):
             continue
         index, key = name.split(".", 1)
         restored.setdefault(int(index), {})[key] = (value if torch.is_tensor(value)
                                                     else torch.tensor(value))
     optimizer.load_state_dict({"state": restored, "param_groups": groups})
-    torch.set_rng_state(tensors["rng.torch"])
+    rank = parallel.rank()
+    name = "rng.torch" + (f".{rank}" if rank else "")
+    if name not in tensors:
+        raise cli.UserError(f"--resume: the checkpoint in {folder} was written by fewer "
+                            f"processes than this run's {parallel.size()}; resume it with "
+                            "as many as it had")
+    torch.set_rng_state(tensors[name])
     return state["iteration"] + 1, state["beta"], state.get("reinforce_baseline")
 
 

@@ -89,6 +89,7 @@ from pathlib import Path
 # processes); threads that sleep cost nothing measurable on an idle machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import parallel  # noqa: E402  (before tqdm: it turns the bars off on ranks other than 0)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -415,12 +416,17 @@ def fit_prompt_text(tokenizer, prompt, max_tokens):
 
 
 @torch.no_grad()
-def score_grouped(model, prompts, summaries, batch_rows=32, progress=False):
+def score_grouped(model, prompts, summaries, batch_rows=32, progress=False, split=False):
     """Scores (N,) of summaries[i] after prompts[i] (id lists), on the CPU.
 
     Each distinct prompt is read once and each distinct (prompt, summary) scored once;
-    prompts of similar length share a batch of about `batch_rows` summaries.
+    prompts of similar length share a batch of about `batch_rows` summaries. `split`: under
+    torchrun each rank scores its share of the rows and every rank gets all N scores (a
+    collective: every rank calls it); nothing changes in one process.
     """
+    if split:
+        mine = parallel.mine(range(len(prompts)))        # every row in one process
+        prompts, summaries = [prompts[i] for i in mine], [summaries[i] for i in mine]
     groups = {}                                  # prompt -> its distinct summaries, in order
     for p, s in zip(prompts, summaries):
         groups.setdefault(tuple(p), {})[tuple(s)] = None
@@ -436,7 +442,8 @@ def score_grouped(model, prompts, summaries, batch_rows=32, progress=False):
         got = model.forward_shared(batch, [s for _, s in rows],
                                    torch.tensor([i for i, _ in rows]))      # (rows,)
         scores.update(zip([(batch[i], s) for i, s in rows], got.cpu().tolist()))
-    return torch.tensor([scores[tuple(p), tuple(s)] for p, s in zip(prompts, summaries)])
+    out = torch.tensor([scores[tuple(p), tuple(s)] for p, s in zip(prompts, summaries)])
+    return parallel.gather(out) if split else out
 
 
 def with_eos(response_ids, response_mask, eos_id):
@@ -660,23 +667,33 @@ def make_optimizer(model, config):
 
 
 def train_step(model, optimizer, batch):
-    """One AdamW step of (R1) on a list of k pairs. Returns the batch's (loss, accuracy)."""
-    k = len(batch)
-    owner = torch.arange(k).repeat(2)            # (2k,) rows 0..k-1 chosen, k..2k-1 rejected
-    f = model.forward_shared([p["prompt"] for p in batch],
-                             [p["chosen"] for p in batch] + [p["rejected"] for p in batch],
-                             owner)                                         # (2k,)
-    tokens = [p["chosen_tokens"] for p in batch] + [p["rejected_tokens"] for p in batch]
-    # (R5)  r = f + w g(y), w frozen (a buffer): the gradient reaches f only
-    scores = model.score_part(f, tokens, "full")                            # (2k,)
-    r_w, r_l = scores[:k], scores[k:]                                       # (k,), (k,)
-    loss = bt_loss(r_w, r_l)
+    """One AdamW step of (R1) on a list of pairs. Returns the batch's (loss, accuracy).
+
+    Under torchrun each rank takes its share of the pairs, and its loss is that share of the
+    batch's mean: the summed gradients are the whole batch's (parallel.py).
+    """
+    mine = parallel.mine(batch)                  # all of them in one process
+    k = len(mine)
     optimizer.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(
-        [p for group in optimizer.param_groups for p in group["params"]], 1.0)
+    loss_sum = right = 0.0
+    if k:                                        # a rank may get none of a short last batch
+        owner = torch.arange(k).repeat(2)        # (2k,) rows 0..k-1 chosen, k..2k-1 rejected
+        f = model.forward_shared([p["prompt"] for p in mine],
+                                 [p["chosen"] for p in mine] + [p["rejected"] for p in mine],
+                                 owner)                                     # (2k,)
+        tokens = [p["chosen_tokens"] for p in mine] + [p["rejected_tokens"] for p in mine]
+        # (R5)  r = f + w g(y), w frozen (a buffer): the gradient reaches f only
+        scores = model.score_part(f, tokens, "full")                        # (2k,)
+        r_w, r_l = scores[:k], scores[k:]                                   # (k,), (k,)
+        loss = bt_loss(r_w, r_l) * (k / len(batch))     # this rank's share of the mean (R1)
+        loss.backward()
+        loss_sum = loss.item()
+        right = pairwise_accuracy(r_w.detach(), r_l.detach()) * k
+    trainable = [p for group in optimizer.param_groups for p in group["params"]]
+    parallel.sum_gradients(trainable)            # torchrun: the whole batch's gradient
+    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
     optimizer.step()
-    return loss.item(), pairwise_accuracy(r_w.detach(), r_l.detach())
+    return parallel.total(loss_sum), parallel.total(right) / len(batch)
 
 
 def train(model, pairs, config):
@@ -713,7 +730,7 @@ def evaluate(model, pairs, config):
     n = len(pairs)
     f = score_grouped(model, [p["prompt"] for p in pairs] * 2,
                       [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
-                      config.eval_batch, progress=True)                    # (2n,) content
+                      config.eval_batch, progress=True, split=True)                    # (2n,) content
     len_w = torch.tensor([p["chosen_len"] for p in pairs])                  # (n,) tokens
     len_l = torch.tensor([p["rejected_len"] for p in pairs])                # (n,) tokens
     tokens = [p["chosen_tokens"] for p in pairs] + [p["rejected_tokens"] for p in pairs]
@@ -733,10 +750,12 @@ def reference_gap(model, encoded, samples, config):
     """
     eos = model.settings["eos_id"]
     prompts = [p for p, _ in encoded]
-    human = score_grouped(model, prompts, [h for _, h in encoded], config.eval_batch)
-    sample = score_grouped(model, prompts, [s + [eos] for s, _ in samples], config.eval_batch)
+    human = score_grouped(model, prompts, [h for _, h in encoded], config.eval_batch,
+                          split=True)
+    sample = score_grouped(model, prompts, [s + [eos] for s, _ in samples], config.eval_batch,
+                           split=True)
     old = score_grouped(model, prompts, [s + [eos] if ended else s for s, ended in samples],
-                        config.eval_batch)                                  # (n,) each
+                        config.eval_batch, split=True)                      # (n,) each
     ended = torch.tensor([e for _, e in samples])                           # (n,) bool
     out = {"posts": len(encoded), "reference_eos_fraction": ended.double().mean().item()}
     for part in PARTS:
@@ -799,6 +818,7 @@ def plot(losses, margins, folder):
 
 def main(argv=None):
     start = time.time()
+    parallel.setup()                             # under torchrun only (parallel.py)
     config = parse_config(argv)
     print(f"preset {config.preset}: "
           + (", ".join(f"{k}={v}" for k, v in PRESETS[config.preset].items()) or "defaults")
@@ -806,6 +826,10 @@ def main(argv=None):
     # Written aside, in a hidden folder beside --out, and renamed into place when complete;
     # a failure removes it and any folder made for it: --out is left as it was.
     out = Path(config.out).resolve()
+    if not parallel.is_main():                   # torchrun: rank 0 alone writes --out
+        with tempfile.TemporaryDirectory() as scratch:
+            run(config, Path(scratch), start)
+        return
     with cli.new_folders(out.parent):
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
@@ -931,13 +955,14 @@ def run(config, staging, start):
 
     # (R3) the shift that makes the held-out posts' human TL;DRs average 0 (content score).
     if encoded:
-        raw = score_grouped(model, *zip(*encoded), batch_rows=config.eval_batch)
+        raw = score_grouped(model, *zip(*encoded), batch_rows=config.eval_batch, split=True)
     else:
         print("WARNING: no human TL;DR of any held-out post; normalising on the preferred "
               "held-out summaries, so 0 means 'a typical preferred summary' instead")
         sources = {"heldout_chosen": len(heldout_pairs)}
         raw = score_grouped(model, [p["prompt"] for p in heldout_pairs],
-                            [p["chosen"] for p in heldout_pairs], config.eval_batch)
+                            [p["chosen"] for p in heldout_pairs], config.eval_batch,
+                            split=True)
     model.bias.fill_(-raw.mean().item())
 
     by_part, f_w, f_l = evaluate(model, heldout_pairs, config)

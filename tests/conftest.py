@@ -1,6 +1,9 @@
 """Shared fixtures: the real tokenizer, a tiny random model, and (for slow tests) SmolLM2."""
 import csv
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 # Threads that spin while waiting lose ~10x when another process shares the 2 cores (the
 # scripts set this too, but here torch is imported before them). Before torch loads OpenMP.
@@ -51,3 +54,13 @@ def small_data(tmp_path_factory):
         writer.writeheader()
         writer.writerows(rows)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(tmp_path_factory):
+    """`reward_model.py --preset tiny`'s folder (seconds), for the tests that run ppo.py."""
+    out = tmp_path_factory.mktemp("rm") / "reward_model"
+    subprocess.run([sys.executable, "reward_model.py", "--preset", "tiny", "--out", str(out)],
+                   cwd=Path(__file__).resolve().parent.parent, capture_output=True, check=True,
+                   timeout=300)
+    return out

@@ -351,13 +351,6 @@ def run(*args, timeout=300):
                           timeout=timeout, check=True).stdout
 
 
-@pytest.fixture(scope="module")
-def tiny_reward_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("rm") / "reward_model"
-    run("reward_model.py", "--preset", "tiny", "--out", str(out))
-    return out
-
-
 @pytest.mark.parametrize("part", ["content", "full"])
 def test_score_is_the_reward_models_score_of_that_part(tiny_reward_model, tokenizer, part):
     """Exactly, with the rows in their own order (`micro_batches` sorts them by padding,
