@@ -730,7 +730,7 @@ def evaluate(model, pairs, config):
     n = len(pairs)
     f = score_grouped(model, [p["prompt"] for p in pairs] * 2,
                       [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
-                      config.eval_batch, progress=True, split=True)                    # (2n,) content
+                      config.eval_batch, progress=True, split=True)       # (2n,) content
     len_w = torch.tensor([p["chosen_len"] for p in pairs])                  # (n,) tokens
     len_l = torch.tensor([p["rejected_len"] for p in pairs])                # (n,) tokens
     tokens = [p["chosen_tokens"] for p in pairs] + [p["rejected_tokens"] for p in pairs]
