@@ -5,7 +5,9 @@ iteration, from each run's results.json.
     python bench_parallel.py --nproc 2 -- --preset tiny --iterations 3 --reward-model DIR
 
 The flags after `--` go to both runs (default: --preset cpu --iterations 6). Each run writes
-into a fresh temporary folder; the evaluation at the end is not timed. torchrun gives each
+into a fresh temporary folder; the evaluation at the end is not timed. The table gives each
+phase (results.json's seconds_*) and the mean response length, since the two runs sample
+different responses (rank 1 has its own stream). torchrun gives each
 process one thread (OMP_NUM_THREADS=1, its default for several processes); the plain run
 uses torch's default, every core. Time it on an otherwise idle machine.
 """
@@ -21,13 +23,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 
 
+PHASES = ("generate", "score", "forward", "update")
+
+
 def timed_run(command, out):
-    """Run `command` (its --out is `out`); (wall seconds, seconds of each iteration)."""
+    """Run `command` (its --out is `out`); (wall seconds, results.json's iteration rows)."""
     start = time.time()
     subprocess.run(command + ["--out", str(out)], cwd=ROOT, check=True)
     wall = time.time() - start
-    rows = json.loads((out / "results.json").read_text())["iterations"]
-    return wall, [row["seconds"] for row in rows]
+    return wall, json.loads((out / "results.json").read_text())["iterations"]
 
 
 def main(argv=None):
@@ -43,16 +47,19 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as scratch:
         for name, command in (("python ppo.py", plain),
                               (f"torchrun --nproc_per_node {args.nproc}", spread)):
-            wall, seconds = timed_run(command, Path(scratch) / name.split()[0])
-            rows.append((name, wall, seconds))
-    print(f"\nppo.py {' '.join(flags)}")
-    print(f"{'':34}{'s/iteration':>14}{'± SE':>8}{'first':>8}{'wall s':>9}")
-    for name, wall, seconds in rows:
+            rows.append((name, *timed_run(command, Path(scratch) / name.split()[0])))
+    print(f"\nppo.py {' '.join(flags)}: mean seconds per iteration (rank 0's under torchrun)")
+    print(f"{'':30}{'iteration':>10}{'± SE':>7}" + "".join(f"{p:>10}" for p in PHASES)
+          + f"{'length':>8}{'wall s':>8}")
+    for name, wall, its in rows:
+        seconds = [r["seconds"] for r in its]
         se = statistics.stdev(seconds) / len(seconds) ** 0.5 if len(seconds) > 1 else 0.0
-        print(f"{name:34}{statistics.mean(seconds):14.1f}{se:8.1f}{seconds[0]:8.1f}"
-              f"{wall:9.0f}")
-    print(f"torchrun / python, seconds an iteration: "
-          f"{statistics.mean(rows[1][2]) / statistics.mean(rows[0][2]):.2f}")
+        print(f"{name:30}{statistics.mean(seconds):10.1f}{se:7.1f}"
+              + "".join(f"{statistics.mean(r[f'seconds_{p}'] for r in its):10.1f}"
+                        for p in PHASES)
+              + f"{statistics.mean(r['response_length'] for r in its):8.1f}{wall:8.0f}")
+    mean = [statistics.mean(r["seconds"] for r in its) for _, _, its in rows]
+    print(f"torchrun / python, seconds an iteration: {mean[1] / mean[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def worker(variant, iterations, micro_batch, reward_model, precision):
     device = loaders.pick_device()
     reference, tokenizer = loaders.load_policy_and_tokenizer(cfg.model, device=device)
     reward = rm.load_reward_model(cfg.reward_model, device=device)
-    pool, _ = ppo.load_prompts(cfg, tokenizer)
+    pool, _ = loaders.load_prompts(cfg, tokenizer)
     with tempfile.TemporaryDirectory() as out:
         _, _, results = ppo.train(cfg, 0.1, 0, (reference, reward, tokenizer, device), pool,
                                   out, progress=False)

@@ -9,7 +9,8 @@ On a CUDA machine it runs three steps, prints one table and writes it as JSON to
                  peak extra memory and bandwidth (as a fraction of a device-to-device copy)
                  of every path, against the post's and torch.compile of it
     3. ppo       3 iterations of the blog preset in bf16 and in fp32, per phase, with random
-                 weights of SmolLM2-135M's architecture, and bf16 with a 151,936 vocabulary
+                 weights of SmolLM2-135M's architecture, bf16 with a 151,936 vocabulary, and
+                 bf16 under `torchrun --nproc_per_node 1` (parallel.py's path on one GPU)
 --dry-run runs the same steps on the CPU at toy sizes (a few kernel tests under the
 interpreter, 64 x 4097, 2 iterations of the tiny preset), so a machine without CUDA, and CI,
 can check the command itself. Without CUDA and without --dry-run it stops with one line.
@@ -84,8 +85,10 @@ def filler_pool(tokenizer, n, prompt_tokens):
 def ppo_worker(model, preset, precision, iterations):
     """`iterations` of ppo.train with random weights; prints one RESULT line of JSON."""
     import lora
+    import parallel
     import ppo
     import reward_model as rm
+    parallel.setup()                            # under torchrun only
     with tempfile.TemporaryDirectory() as out:
         argv = ["--preset", preset, "--iterations", str(iterations), "--precision", precision,
                 "--checkpoint-every", "1000", "--out", out]
@@ -132,15 +135,20 @@ def step_kernels(dry_run):
 
 
 def step_ppo(dry_run, models_dir):
-    variants = ([("tiny fp32", None, "tiny", "fp32")] if dry_run else
-                [(f"{name} {precision}", str(Path(models_dir) / name), "blog", precision)
-                 for name, precision in (("smollm2", "bf16"), ("smollm2", "fp32"),
-                                         ("vocab151936", "bf16"))])
+    python = ["python"]
+    torchrun = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    variants = ([("tiny fp32", None, "tiny", "fp32", python),
+                 ("tiny fp32 torchrun", None, "tiny", "fp32", torchrun)] if dry_run else
+                [(f"{name} {precision}{' torchrun' if launcher is torchrun else ''}",
+                  str(Path(models_dir) / name), "blog", precision, launcher)
+                 for name, precision, launcher in (
+                     ("smollm2", "bf16", python), ("smollm2", "fp32", python),
+                     ("vocab151936", "bf16", python), ("smollm2", "bf16", torchrun))])
     iterations = 2 if dry_run else 3
     out = {}
-    for label, model, preset, precision in variants:
-        command = ["python", "check_gpu.py", "--ppo-worker", model or "", preset, precision,
-                   str(iterations)]
+    for label, model, preset, precision, launcher in variants:
+        command = launcher + ["check_gpu.py", "--ppo-worker", model or "", preset, precision,
+                              str(iterations)]
         code, output = run(command, 1800)
         line = [x for x in output.splitlines() if x.startswith("RESULT ")]
         if code or not line:
@@ -170,13 +178,13 @@ def print_table(report):
             print(f"   {size:>12} {path:<16} {r['seconds'] * 1e3:9.2f} ms  "
                   f"{r['extra_bytes'] / 2**20:9.0f} MB extra{bandwidth}")
     print("3. PPO iterations (median s after the first; ratio at the first inner step):")
-    print(f"   {'variant':<18}" + "".join(f"{p:>10}" for p in PHASES)
+    print(f"   {'variant':<22}" + "".join(f"{p:>10}" for p in PHASES)
           + f"{'total':>10}{'peak GB':>9}  ratio")
     for label, r in report["ppo"].items():
         if not r["ok"]:
-            print(f"   {label:<18} FAILED: {r['error'].splitlines()[-1] if r['error'] else ''}")
+            print(f"   {label:<22} FAILED: {r['error'].splitlines()[-1] if r['error'] else ''}")
             continue
-        print(f"   {label:<18}" + "".join(f"{r[f'seconds_{p}']:>10.2f}" for p in PHASES)
+        print(f"   {label:<22}" + "".join(f"{r[f'seconds_{p}']:>10.2f}" for p in PHASES)
               + f"{r['seconds']:>10.2f}{r['peak_gb']:>9.2f}  {r['ratio'][0]:.4f} to "
               f"{r['ratio'][1]:.4f}")
 

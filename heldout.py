@@ -18,6 +18,7 @@ Test: pytest tests/test_ppo.py -k "end_to_end or sweep"
 import torch
 from tqdm import tqdm
 
+import loaders
 import ppo
 import reward_model as rm
 from evaluate import copied_bigrams, paired_gain, per_post, standard_error, summarize
@@ -43,7 +44,7 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
                   leave=False):
         chunk = posts[i:i + step]
         prompt_ids, prompt_mask = ppo.encode(tokenizer, [p["prompt"] for p in chunk], device)
-        with ppo.precision(cfg, device):
+        with loaders.precision(cfg, device):
             sequences, actions = ppo.generate(model, prompt_ids, prompt_mask, cfg, eos)
             mask = response_mask(actions, eos)
             attention = ppo.full_mask(prompt_mask, actions)
@@ -78,7 +79,7 @@ def reference_and_human(cfg, models, held_out, folder):
         return stored
     torch.manual_seed(10_000)
     ref_samples = rollouts(reference, reference, reward, tokenizer, held_out, cfg, device)
-    with ppo.precision(cfg, device):
+    with loaders.precision(cfg, device):
         human = rm.score_texts(reward, tokenizer, [p["prompt"] for p in held_out],
                                [p["summary"] for p in held_out], part=cfg.reward).float()
     human = [{"reward": r, "text": p["summary"]} for r, p in zip(human.tolist(), held_out)]

@@ -30,10 +30,15 @@ The data (read `../shared/data/SOURCES.md` for what each file is):
 Every post becomes one prompt layout, the post's (and trl-lib/tldr's):
     "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 
+Also here: ppo.py's prompt pool and per-iteration draw (`load_prompts`, `batch_for`), and
+what depends on the device: `pick_device`, `native_bf16`, and the bf16 autocast contexts
+(`precision`, `heads_in_fp32`).
+
 Run `python loaders.py` to print what it finds.
 """
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import functools
@@ -48,6 +53,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 import cli
@@ -86,6 +92,40 @@ def pick_device():
     if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def native_bf16(device):
+    """Whether bf16 matmuls are native on `device`: a CUDA GPU that has them, or a CPU with
+    AVX512-BF16 or AMX (from Linux's /proc/cpuinfo). Elsewhere they are emulated, and slower."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def precision(cfg, device):
+    """The context for every transformer-body pass: bf16 autocast with --precision bf16,
+    else nothing at all (fp32, as the post; and no autocast object on Apple MPS, which
+    torch 2.4 does not know). The log-prob gather and the value head opt out of it
+    (`heads_in_fp32`), so log-probs, values and losses are fp32 either way."""
+    if cfg.precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
+def heads_in_fp32(hidden):
+    """Autocast off, for the LM and value heads that read `hidden`, where the bodies ran under
+    it (bf16 on CUDA or the CPU); nothing otherwise."""
+    kind = hidden.device.type
+    if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
 
 
 def default_preset():
@@ -527,3 +567,48 @@ if __name__ == "__main__":
     model, tokenizer = load_policy_and_tokenizer(args.model)
     print(f"\nmodel: {sum(p.numel() for p in model.parameters()):,} parameters, "
           f"vocabulary {len(tokenizer):,}, eos {tokenizer.eos_token!r} = pad {tokenizer.pad_token!r}")
+
+
+# ---------------------------------------------------------------- ppo.py's prompts
+
+def load_prompts(cfg, tokenizer, posts=None):
+    """Training pool and held-out evaluation posts, each prompt within PROMPT_TOKENS.
+
+    `posts`: load_tldr's, read here when not given. The split is fixed (seed 0) so
+    every run of a sweep is evaluated on the same posts. Departure 4: a post that is too
+    long is cut at a paragraph or sentence boundary.
+    """
+    posts = load_tldr(cfg.data_dir) if posts is None else posts
+    kept, cut, rank = [], 0, []
+    for position, i in enumerate(tqdm(tldr_order(posts), desc="fitting prompts",
+                                      leave=False)):
+        prompt = fit_prompt(tokenizer, posts[i], cfg.prompt_tokens)
+        if prompt is None:
+            continue
+        cut += prompt != posts[i]["prompt"]
+        kept.append({**posts[i], "prompt": prompt})
+        rank.append(position)
+    if len(kept) < cfg.eval_prompts + cfg.batch:
+        raise DataError(f"{len(kept)} TL;DR posts fit --prompt-tokens "
+                                f"{cfg.prompt_tokens} ({len(posts) - len(kept)} more have "
+                                "longer titles), fewer than --eval-prompts + --batch = "
+                                f"{cfg.eval_prompts + cfg.batch}")
+    # The reward model never trained on these posts' TL;DRs (EVAL_RESERVE).
+    if rank[cfg.eval_prompts - 1] >= EVAL_RESERVE:
+        raise cli.UserError(f"--eval-prompts {cfg.eval_prompts} reaches past the "
+                            f"{EVAL_RESERVE} posts reserved for evaluation (only "
+                            f"{sum(r < EVAL_RESERVE for r in rank)} of them fit "
+                            f"--prompt-tokens {cfg.prompt_tokens}); use fewer")
+    print(f"prompts: kept {len(kept)} posts within {cfg.prompt_tokens} tokens "
+          f"({cut} cut at a paragraph or sentence boundary); "
+          f"{cfg.eval_prompts} held out for evaluation")
+    return kept[cfg.eval_prompts:], kept[:cfg.eval_prompts]
+
+
+def batch_for(pool, iteration, batch, seed):
+    """The prompts of one iteration: a seeded permutation of the pool, read in order.
+
+    A pure function of (iteration, seed), so a resumed run draws the same prompts.
+    """
+    perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [pool[perm[(iteration * batch + j) % len(pool)]] for j in range(batch)]

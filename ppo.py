@@ -63,6 +63,7 @@ InstructGPT, Ouyang et al. 2022, arXiv:2203.02155 (eq. 2, the ptx term).
 Run:   python reward_model.py && python ppo.py --beta 0
 Sweep: python ppo.py --beta 0 0.01 0.1 0.5 2.0 --seeds 0 1 2      (--resume continues it)
 RLOO:  python ppo.py --estimator rloo --samples-per-prompt 4 --beta 0.1
+DDP:   torchrun --standalone --nproc_per_node N ppo.py --beta 0.1      (parallel.py)
 Test:  pytest tests/test_ppo.py
 """
 
@@ -242,7 +243,7 @@ def parse_args(argv=None):
         if problem := cli.out_problem(run_dir_for(cfg, beta, seed)):
             parser.error(problem)
     if cfg.precision == "auto":
-        cfg.precision = "bf16" if native_bf16(loaders.pick_device()) else "fp32"
+        cfg.precision = "bf16" if loaders.native_bf16(loaders.pick_device()) else "fp32"
     if cfg.precision == "bf16" and loaders.pick_device().type == "mps":
         parser.error("argument --precision: bf16 runs on CUDA and on CPUs here; on Apple MPS "
                      "use fp32 (bf16 autocast there is untested)")
@@ -263,53 +264,10 @@ def parse_args(argv=None):
 
 # ---------------------------------------------------------------------------- prompts
 
-def load_prompts(cfg, tokenizer, posts=None):
-    """Training pool and held-out evaluation posts, each prompt within PROMPT_TOKENS.
-
-    `posts`: loaders.load_tldr's, read here when not given. The split is fixed (seed 0) so
-    every run of a sweep is evaluated on the same posts. Departure 4: a post that is too
-    long is cut at a paragraph or sentence boundary.
-    """
-    posts = loaders.load_tldr(cfg.data_dir) if posts is None else posts
-    kept, cut, rank = [], 0, []
-    for position, i in enumerate(tqdm(loaders.tldr_order(posts), desc="fitting prompts",
-                                      leave=False)):
-        prompt = loaders.fit_prompt(tokenizer, posts[i], cfg.prompt_tokens)
-        if prompt is None:
-            continue
-        cut += prompt != posts[i]["prompt"]
-        kept.append({**posts[i], "prompt": prompt})
-        rank.append(position)
-    if len(kept) < cfg.eval_prompts + cfg.batch:
-        raise loaders.DataError(f"{len(kept)} TL;DR posts fit --prompt-tokens "
-                                f"{cfg.prompt_tokens} ({len(posts) - len(kept)} more have "
-                                "longer titles), fewer than --eval-prompts + --batch = "
-                                f"{cfg.eval_prompts + cfg.batch}")
-    # The reward model never trained on these posts' TL;DRs (loaders.EVAL_RESERVE).
-    if rank[cfg.eval_prompts - 1] >= loaders.EVAL_RESERVE:
-        raise cli.UserError(f"--eval-prompts {cfg.eval_prompts} reaches past the "
-                            f"{loaders.EVAL_RESERVE} posts reserved for evaluation (only "
-                            f"{sum(r < loaders.EVAL_RESERVE for r in rank)} of them fit "
-                            f"--prompt-tokens {cfg.prompt_tokens}); use fewer")
-    print(f"prompts: kept {len(kept)} posts within {cfg.prompt_tokens} tokens "
-          f"({cut} cut at a paragraph or sentence boundary); "
-          f"{cfg.eval_prompts} held out for evaluation")
-    return kept[cfg.eval_prompts:], kept[:cfg.eval_prompts]
-
-
 def encode(tokenizer, prompts, device):
     """Left-padded prompt ids (B, P) and their attention mask (B, P)."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
-
-
-def batch_for(pool, iteration, batch, seed):
-    """The prompts of one iteration: a seeded permutation of the pool, read in order.
-
-    A pure function of (iteration, seed), so a resumed run draws the same prompts.
-    """
-    perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [pool[perm[(iteration * batch + j) % len(pool)]] for j in range(batch)]
 
 
 def micro_batches(prompt_mask, size):
@@ -325,40 +283,6 @@ def micro_batches(prompt_mask, size):
     padding = (prompt_mask == 0).sum(1)                         # (B,) left padding per row
     order = torch.argsort(padding, stable=True)                 # least padding first
     return [(rows, int(padding[rows].min())) for rows in order.split(size)]
-
-
-def native_bf16(device):
-    """Whether bf16 matmuls are native on `device`: a CUDA GPU that has them, or a CPU with
-    AVX512-BF16 or AMX (from Linux's /proc/cpuinfo). Elsewhere they are emulated, and slower."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type != "cpu":
-        return False
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
-def precision(cfg, device):
-    """The context for every transformer-body pass: bf16 autocast with --precision bf16,
-    else nothing at all (fp32, as the post; and no autocast object on Apple MPS, which
-    torch 2.4 does not know). The log-prob gather and the value head opt out of it
-    (`heads_in_fp32`), so log-probs, values and losses are fp32 either way."""
-    if cfg.precision != "bf16":
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-
-
-def heads_in_fp32(hidden):
-    """Autocast off, for the LM and value heads that read `hidden`, where the bodies ran under
-    it (bf16 on CUDA or the CPU); nothing otherwise."""
-    kind = hidden.device.type
-    if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
-        return torch.autocast(kind, enabled=False)
-    return contextlib.nullcontext()
 
 
 # ------------------------------------------------------------- generating and scoring
@@ -405,7 +329,7 @@ def token_log_probs(model, sequences, attention_mask, actions, temperature=1.0):
     reference and a fresh policy agree to the last bit.
     """
     hidden = response_hidden(model, sequences, attention_mask, actions.shape[1])  # (B, T, H)
-    with heads_in_fp32(hidden):
+    with loaders.heads_in_fp32(hidden):
         return kernels.gather_log_probs_from_hidden(hidden.float(), model.lm_head.weight,
                                                     actions, temperature)    # (B, T)
 
@@ -479,7 +403,7 @@ def policy_forward(policy, value_head, sequences, attention_mask, actions, tempe
          with_entropy the entropy of pi(. | s_t) (B, T) from the same pass
     """
     hidden = response_hidden(policy, sequences, attention_mask, actions.shape[1])  # (B, T, H)
-    with heads_in_fp32(hidden):
+    with loaders.heads_in_fp32(hidden):
         hidden = hidden.float()                                 # (B, T, H)
         out = kernels.gather_log_probs_from_hidden(hidden, policy.lm_head.weight, actions,
                                                    temperature, return_entropy=with_entropy)
@@ -640,11 +564,12 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         timer, t0 = {}, time.perf_counter()
         # ---- 1. generate: sample k summaries for each post with the current policy
         # (under torchrun, each rank its share of the posts: parallel.py)
-        draw = parallel.mine(batch_for(pool, iteration, cfg.batch, seed))
+        draw = parallel.mine(loaders.batch_for(pool, iteration, cfg.batch, seed))
         posts = [p for p in draw for _ in range(k)]
-        prompt_of = torch.arange(cfg.batch, device=device).repeat_interleave(k)  # (B,) post
+        # the post of each response, (B,) over the whole batch (every rank's, under torchrun)
+        prompt_of = torch.arange(cfg.batch, device=device).repeat_interleave(k)
         prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in posts], device)
-        with precision(cfg, device):
+        with loaders.precision(cfg, device):
             sequences, actions = generate(policy, prompt_ids, prompt_mask, cfg, eos)
         #                                               (B, P+T), (B, T)
         mask = response_mask(actions, eos)              # (B, T) 1 up to and incl. first EOS
@@ -654,7 +579,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
 
         # ---- 2. score the finished summaries (ids, not text)
         t = time.perf_counter()
-        with precision(cfg, device):
+        with loaders.precision(cfg, device):
             scores = score(reward, prompt_ids, prompt_mask, actions, mask,
                            cfg.missing_eos_penalty, eos, groups, cfg.reward)    # (B,)
         check_finite(iteration, score=scores)
@@ -667,7 +592,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
                                           for _ in range(3))                # (B, T) each
             for rows, first in groups:                  # the inner step's groups and shapes
                 seq, att, act = sequences[rows, first:], attention[rows, first:], actions[rows]
-                with precision(cfg, device):
+                with loaders.precision(cfg, device):
                     logp_old[rows], v, _ = policy_forward(policy, value_head, seq, att, act,
                                                           cfg.temperature)
                     logp_ref[rows] = token_log_probs(reference, seq, att, act, cfg.temperature)
@@ -768,7 +693,7 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
                                  "approx_kl", "ptx_loss"), 0.0), []
     for rows, first in batch.groups:                    # same gradient as one batch
         mask, logp_old = batch.mask[rows], batch.logp_old[rows]
-        with precision(cfg, batch.sequences.device):
+        with loaders.precision(cfg, batch.sequences.device):
             logp, v, entropy = policy_forward(policy, value_head, batch.sequences[rows, first:],
                                               batch.attention[rows, first:],
                                               batch.actions[rows], cfg.temperature,
@@ -783,7 +708,7 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
         # (14) L_total = L_policy + c_v L_value + c_ent L_ent + c_ptx L_ptx
         loss = pl + cfg.vf_coef * vl + cfg.ent_coef * el
         if cfg.ptx_coef:                                # (13) on these posts' human TL;DRs
-            with precision(cfg, batch.sequences.device):
+            with loaders.precision(cfg, batch.sequences.device):
                 lm = ptx_loss(policy, tokenizer, [batch.posts[r] for r in rows.tolist()],
                               batch.sequences.device, cfg.temperature)
             loss = loss + cfg.ptx_coef * lm * (len(rows) / n_seq)
@@ -871,7 +796,7 @@ def main(argv=None):
     reference, tokenizer = loaders.load_policy_and_tokenizer(cfg.model, preset=cfg.preset,
                                                              device=device)
     reward = rm.load_reward_model(reward_path, device=device)
-    pool, held_out = load_prompts(cfg, tokenizer, posts)
+    pool, held_out = loaders.load_prompts(cfg, tokenizer, posts)
     models = (reference, reward, tokenizer, device)
 
     from heldout import evaluate_run, reference_and_human  # it imports this file: not at the top

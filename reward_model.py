@@ -68,6 +68,7 @@ are cached and copied), which causal attention makes identical to two full passe
 
 Run:   python reward_model.py                 (cpu preset: ~25 min on a 2-core CPU without AVX-512)
        python reward_model.py --preset tiny   (toy model, seconds)
+       torchrun --standalone --nproc_per_node N reward_model.py     (data-parallel: parallel.py)
 Test:  python -m pytest -q tests/test_reward_model.py
 Use:   model = load_reward_model("runs/reward_model")
        r = score_ids(model, p, pm, y, ym, part="content")      # or part="full"

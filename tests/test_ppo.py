@@ -68,7 +68,7 @@ def test_ratio_is_one_under_bf16_autocast_and_log_probs_stay_fp32(tiny, tokenize
     cfg = ppo.parse_args(["--preset", "tiny", "--precision", "bf16"])
     with torch.no_grad():
         fp32 = ppo.token_log_probs(tiny, sequences, attention, actions)
-        with ppo.precision(cfg, "cpu"):
+        with loaders.precision(cfg, "cpu"):
             logp_ref = ppo.token_log_probs(tiny, sequences, attention, actions)
             logp, values, _ = ppo.policy_forward(policy, head, sequences, attention, actions)
     assert logp.dtype == values.dtype == torch.float32
@@ -123,7 +123,7 @@ def real_samples(smollm2, tokenizer):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_ratio_is_exactly_one_on_real_smollm2(smollm2, real_samples, precision):
     """The post's probe: reference (generation side) vs a fresh policy (training path)."""
-    if precision == "bf16" and not ppo.native_bf16("cpu"):
+    if precision == "bf16" and not loaders.native_bf16("cpu"):
         # Emulated bf16 ran at ~1 GFLOP/s on a CPU without AVX512-BF16: this pass would take
         # most of CI's time. The tiny-model bf16 test above checks the same invariant.
         pytest.skip("this CPU has no native bf16 matmuls (AVX512-BF16 or AMX)")
@@ -133,7 +133,7 @@ def test_ratio_is_exactly_one_on_real_smollm2(smollm2, real_samples, precision):
     attention = ppo.full_mask(prompt_mask, actions)
     mask = response_mask(actions, EOS).bool()
     cfg = ppo.parse_args(["--preset", "tiny", "--precision", precision])
-    with ppo.precision(cfg, "cpu"):
+    with loaders.precision(cfg, "cpu"):
         with torch.no_grad():                                # the old pass
             logp_old = ppo.token_log_probs(smollm2, sequences, attention, actions)
         logp, _, _ = ppo.policy_forward(policy, head, sequences, attention, actions)  # with grad
@@ -746,6 +746,7 @@ def test_check_gpu_dry_run_and_its_one_line_without_a_gpu(tmp_path):
     assert report["dry_run"] and report["tests"]["ok"] and report["kernels"]["ok"]
     assert set(report["kernels"]["sizes"]["64x4097"]) >= {"naive", "fallback", "fused-linear"}
     assert report["ppo"]["tiny fp32"]["ok"] and report["ppo"]["tiny fp32"]["ratio"] == [1, 1]
+    assert report["ppo"]["tiny fp32 torchrun"]["ok"]                   # parallel.py's path
     assert "3. PPO iterations" in out and "DRY RUN" in out
     if not torch.cuda.is_available():
         result = subprocess.run([sys.executable, "bench_ppo.py", "--check-gpu"],
