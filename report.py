@@ -326,16 +326,21 @@ def sweep_markdown(summary, baseline, failed):
 
 def report_sweep(rows, baseline, out):
     """The post's table from every run's row (report.finished_row): printed, and written as
-    sweep.md, sweep.json and sweep.png. A failed run is a row of its own."""
+    sweep.md, sweep.json and sweep.png. A failed run is a row of its own. The table ends
+    with the git commits of the code that ran it (issue 13: the README must say which)."""
     failed = [r for r in rows if r and r.get("failed")]
     table = [r for r in rows if r and not r.get("failed")]
     summary = sweep_summary(table, baseline)
-    text = sweep_markdown(summary, baseline, failed)
+    # The code that made the table: every commit that wrote iterations of any run of it
+    commits = sorted({c for r in table + failed
+                      for c in (read_results(r["run_dir"]) or {}).get("commits") or [] if c})
+    text = (sweep_markdown(summary, baseline, failed) + "\n\nCode: "
+            + (", ".join(commits) or "unknown") + " (git commits, from the runs' results.json)")
     print("\n" + text)
     if len(table) + len(failed) < len(rows):
         print(f"{len(rows) - len(table) - len(failed)} runs have not finished")
     write_json(out / "sweep.json", {"runs": table + failed, "baseline": baseline,
-                                    "summary": summary})
+                                    "summary": summary, "commits": commits})
     (out / "sweep.md").write_text(text + "\n")
     plot_sweep(table, baseline, out / "sweep.png")
     print(f"sweep in {out}/sweep.json, {out}/sweep.md and {out}/sweep.png")

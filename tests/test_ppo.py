@@ -417,6 +417,8 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
     assert "| (ref) |" in out and "| human |" in out and "Spearman's rho" in out
     assert (tmp_path / "sweep.md").read_text().strip() in out
     sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert sweep["commits"] == [report.git_commit()]          # the code that made the table
+    assert f"Code: {report.git_commit()} (git commits" in out
     assert sweep["summary"]["by_beta"]["0.5"]["runs"] == 2
     assert sorted((r["beta"], r["seed"]) for r in sweep["runs"]) == \
         [(0.0, 0), (0.0, 1), (0.5, 0), (0.5, 1)]
