@@ -567,7 +567,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         draw = parallel.mine(loaders.batch_for(pool, iteration, cfg.batch, seed))
         posts = [p for p in draw for _ in range(k)]
         # the post of each response, (B,) over the whole batch (every rank's, under torchrun)
-        prompt_of = torch.arange(cfg.batch, device=device).repeat_interleave(k)
+        prompt_of = torch.arange(cfg.batch, device=device).repeat_interleave(k)    # (B,)
         prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in posts], device)
         with loaders.precision(cfg, device):
             sequences, actions = generate(policy, prompt_ids, prompt_mask, cfg, eos)
@@ -692,14 +692,14 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
     log, ratios = dict.fromkeys(("policy_loss", "value_loss", "entropy", "clipfrac",
                                  "approx_kl", "ptx_loss"), 0.0), []
     for rows, first in batch.groups:                    # same gradient as one batch
-        mask, logp_old = batch.mask[rows], batch.logp_old[rows]
+        mask, logp_old = batch.mask[rows], batch.logp_old[rows]    # (b, T) each
         with loaders.precision(cfg, batch.sequences.device):
             logp, v, entropy = policy_forward(policy, value_head, batch.sequences[rows, first:],
                                               batch.attention[rows, first:],
                                               batch.actions[rows], cfg.temperature,
                                               with_entropy=True)
         # (8) r_t = exp(logp - logp_old) on real tokens: exactly 1 before the first step
-        ratio = (logp - logp_old).exp().detach()[mask.bool()]
+        ratio = (logp - logp_old).exp().detach()[mask.bool()]     # (N,) real tokens
         ratios += [ratio.min(), ratio.max()]
         pl, vl, el, stats = ppo_losses(logp, logp_old, batch.adv[rows], v,
                                        None if batch.ret is None else batch.ret[rows], mask,
@@ -721,7 +721,7 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
         log["entropy"] -= el.item()
         log["clipfrac"] += stats["clipfrac"].item() * share
         log["approx_kl"] += stats["approx_kl"].item() * share
-    return parallel.total(log), torch.stack(ratios)
+    return parallel.total(log), torch.stack(ratios)             # (2 x parts,)
 
 
 def iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mask, actions,

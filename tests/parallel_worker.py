@@ -68,18 +68,17 @@ def gradients(out):
                         "ptx_coef": 0.1})
     batch = fixed_batch(tokenizer, policy, value_head, cfg)
     log, ratios = ppo.accumulate_gradients(policy, value_head, batch, cfg, tokenizer)
-    trainable = [p for p in list(policy.parameters()) + list(value_head.parameters())
-                 if p.requires_grad]
+    named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad] + [
+        ("value." + n, p) for n, p in value_head.named_parameters()]
+    trainable = [p for _, p in named]
     parallel.sum_gradients(trainable)
     # Whitening over every rank's rows, each rank's responses cut to their own longest (rank
     # 1's are shorter: gather pads them back).
     width = int(batch.mask.sum(1).max())
     whitened = parallel.gather(parallel.across(whiten, batch.adv[:, :width],
                                                batch.mask[:, :width]))
-    names = [n for n, p in list(policy.named_parameters()) + [
-        ("value." + n, p) for n, p in value_head.named_parameters()] if p.requires_grad]
     if parallel.is_main():
-        torch.save({"grads": {n: p.grad for n, p in zip(names, trainable)}, "log": log,
+        torch.save({"grads": {n: p.grad for n, p in named}, "log": log,
                     "ratios": parallel.gather(ratios), "size": parallel.size(),
                     "whitened": whitened}, out)
     else:
