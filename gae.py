@@ -318,17 +318,18 @@ if __name__ == "__main__":
                              [-0.8, -1.2, -0.4, -0.9, -0.6]])           # (B, T)
     logp_ref = torch.tensor([[-1.2, -0.7, -0.2, -0.1, -0.1],
                              [-0.9, -1.0, -0.9, -1.1, -0.6]])           # (B, T)
-    values = torch.tensor([[0.3, 0.5, 0.8, 9.0, 9.0],
-                           [0.1, 0.0, -0.2, -0.3, -0.4]])               # (B, T) 9.0 = junk on padding
+    values = torch.tensor([[0.3, 0.5, 0.8, 9.0, 9.0],                   # 9.0: junk on padding
+                           [0.1, 0.0, -0.2, -0.3, -0.4]])               # (B, T)
     score = torch.tensor([1.0, -0.5])                                   # (B,)
 
     mask = response_mask(actions, EOS)                                  # (B, T)
     rewards = shaped_rewards(logp_old, logp_ref, score, beta, mask)     # (B, T)
-    deltas, _ = advantages_and_returns(rewards, values, mask, lam=0.0)  # (B, T) A_t = delta_t at lambda = 0
+    deltas, _ = advantages_and_returns(rewards, values, mask, lam=0.0)  # (B, T) lambda 0: delta_t
     adv, ret = advantages_and_returns(rewards, values, mask)            # (B, T)
     print(f"gamma = {GAMMA}, lambda = {LAM}, beta = {beta}, EOS id = {EOS}, "
           f"score = {score.tolist()}, last real token = {last_token_index(mask).tolist()}")
-    print("actions\n   " + "\n   ".join(" ".join(f"{a:7d}" for a in row) for row in actions.tolist()))
+    print("actions\n   " + "\n   ".join(" ".join(f"{a:7d}" for a in row)
+                                        for row in actions.tolist()))
     _show("mask (1 up to and including the first EOS)", mask)
     _show("k1 KL  log pi_old - log pi_ref   (4)", kl_per_token(logp_old, logp_ref))
     _show("r_t  -beta KL + score at the last real token   (3)", rewards)

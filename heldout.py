@@ -43,7 +43,7 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
     for i in tqdm(range(0, len(posts), step), desc="held-out samples", unit="batch",
                   leave=False):
         chunk = posts[i:i + step]
-        prompt_ids, prompt_mask = ppo.encode(tokenizer, [p["prompt"] for p in chunk], device)
+        prompt_ids, prompt_mask = loaders.encode(tokenizer, [p["prompt"] for p in chunk], device)
         with loaders.precision(cfg, device):
             sequences, actions = ppo.generate(model, prompt_ids, prompt_mask, cfg, eos)
             mask = response_mask(actions, eos)

@@ -30,7 +30,8 @@ The data (read `../shared/data/SOURCES.md` for what each file is):
 Every post becomes one prompt layout, the post's (and trl-lib/tldr's):
     "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 
-Also here: ppo.py's prompt pool and per-iteration draw (`load_prompts`, `batch_for`), and
+Also here: ppo.py's prompt pool, per-iteration draw and batching (`load_prompts`,
+`batch_for`, `encode`, `micro_batches`: departure 7's groups of similar prompt lengths), and
 what depends on the device: `pick_device`, `native_bf16`, and the bf16 autocast contexts
 (`precision`, `heads_in_fp32`).
 
@@ -566,7 +567,8 @@ if __name__ == "__main__":
           f"                          rejected {c['rejected'][:80]!r}")
     model, tokenizer = load_policy_and_tokenizer(args.model)
     print(f"\nmodel: {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"vocabulary {len(tokenizer):,}, eos {tokenizer.eos_token!r} = pad {tokenizer.pad_token!r}")
+          f"vocabulary {len(tokenizer):,}, eos {tokenizer.eos_token!r} = pad "
+          f"{tokenizer.pad_token!r}")
 
 
 # ---------------------------------------------------------------- ppo.py's prompts
@@ -590,9 +592,9 @@ def load_prompts(cfg, tokenizer, posts=None):
         rank.append(position)
     if len(kept) < cfg.eval_prompts + cfg.batch:
         raise DataError(f"{len(kept)} TL;DR posts fit --prompt-tokens "
-                                f"{cfg.prompt_tokens} ({len(posts) - len(kept)} more have "
-                                "longer titles), fewer than --eval-prompts + --batch = "
-                                f"{cfg.eval_prompts + cfg.batch}")
+                        f"{cfg.prompt_tokens} ({len(posts) - len(kept)} more have "
+                        "longer titles), fewer than --eval-prompts + --batch = "
+                        f"{cfg.eval_prompts + cfg.batch}")
     # The reward model never trained on these posts' TL;DRs (EVAL_RESERVE).
     if rank[cfg.eval_prompts - 1] >= EVAL_RESERVE:
         raise cli.UserError(f"--eval-prompts {cfg.eval_prompts} reaches past the "
@@ -612,3 +614,24 @@ def batch_for(pool, iteration, batch, seed):
     """
     perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed)).tolist()
     return [pool[perm[(iteration * batch + j) % len(pool)]] for j in range(batch)]
+
+
+def encode(tokenizer, prompts, device):
+    """Left-padded prompt ids (B, P) and their attention mask (B, P)."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def micro_batches(prompt_mask, size):
+    """The batch as groups of `size` rows with similar prompt lengths: (rows, first) pairs,
+    rows a (b,) index tensor and first the group's first column that is not all padding.
+
+    Prompts are left-padded to the longest of the batch: at the blog preset a row holds 207
+    real prompt tokens on average in 250 or so columns. A group of similar lengths drops
+    the columns that are padding in all its rows, and that work is never done. Position ids
+    come from the mask, so the log-probs are those of the whole padded batch. The old pass
+    and every inner step use the same groups, hence the same shapes: the ratio stays exact.
+    """
+    padding = (prompt_mask == 0).sum(1)                         # (B,) left padding per row
+    order = torch.argsort(padding, stable=True)                 # least padding first
+    return [(rows, int(padding[rows].min())) for rows in order.split(size)]

@@ -40,10 +40,11 @@ Departures from the post, each repeated at its line:
        (Ziegler et al.), the k3 KL estimator, a missing-EOS penalty, the entropy
        bonus (12) and the ptx loss (13).
     7. Speed and memory, same algorithm: the old, reference and inner-step passes run
-       in micro-batches of similar prompt lengths, each cut to its own padding (same
-       gradient, less memory, less work). `--precision bf16` runs the transformer
-       bodies under bfloat16 autocast (the post: fp32); log-probs, values and losses
-       stay fp32, and the ratio is still exactly 1 at the first inner step.
+       in micro-batches of similar prompt lengths, each cut to its own padding
+       (`loaders.micro_batches`: same gradient, less memory, less work). `--precision
+       bf16` runs the transformer bodies under bfloat16 autocast (the post: fp32);
+       log-probs, values and losses stay fp32, and the ratio is still exactly 1 at the
+       first inner step.
     8. The reward is the reward model's content score f, with its learned length term
        w g(length) left out (reward_model.py): a run that maximised the whole score ran
        every sample to the 48-token limit. `--reward full` maximises f + w g(length).
@@ -93,12 +94,12 @@ import kernels  # noqa: E402
 import loaders  # noqa: E402
 import reward_model as rm  # noqa: E402
 from report import (check_run_folders, checkpoint_iteration, finished_row, git_commit,
-                    has_checkpoint, load_checkpoint, peak_memory_gb, record_failure,
-                    report_sweep, save_checkpoint, write_json)
+                    has_checkpoint, iteration_row, load_checkpoint, peak_memory_gb,
+                    record_failure, report_sweep, save_checkpoint, write_json)
 from gae import (ESTIMATORS, AdaptiveKLController, advantages_and_returns, ended_with_eos,
                  kl_per_token, per_token, response_mask, sequence_advantages,
                  sequence_rewards, shaped_rewards, whiten)
-from loaders import option
+from loaders import encode, micro_batches, option
 from lora import with_lora
 
 
@@ -129,9 +130,8 @@ class Config:
                                   "Ziegler et al.'s controller; --beta is the start")
     kl_estimator: str = option("k1", "per-token KL estimate for the penalty: k1 (the post) or k3")
     missing_eos_penalty: float = option(None, "if set, the score of a response with no EOS")
-    estimator: str = option("gae", "the advantage: gae (the post: GAE with a value head), or "
-                            "the response as one action with other samples as the baseline "
-                            "(the PPO/RLOO note; no value head): rloo, reinforce, grpo")
+    estimator: str = option("gae", "the advantage: gae (the post's, with a value head), or "
+                            "rloo, reinforce, grpo (the PPO/RLOO note; departure 9)")
     samples_per_prompt: int = option(1, "k, responses sampled per prompt: a batch holds "
                                         "--batch x k responses; rloo and grpo need k >= 2")
     grpo_unbiased: bool = option(False, "grpo: Dr. GRPO's advantage, R - group mean, with "
@@ -139,20 +139,16 @@ class Config:
     reinforce_decay: float = option(0.9, "reinforce: decay of the moving-average baseline")
     value_clip: float = option(None, "gae: clip the value loss at this eps_v around the old "
                                      "values (Ziegler, Stiennon: 0.2 with --vf-coef 0.1)")
-    value_init: str = option("post", "gae: the value head's start: post (nn.Linear's default "
-                                     "init, as the post), zero, or reward (the reward model's "
-                                     "head, as Stiennon et al.)")
+    value_init: str = option("post", "gae: the value head's start: post (nn.Linear's init), "
+                                     "zero, or reward (the reward model's head, as Stiennon)")
     whiten_rewards: bool = option(False, "gae: scale the shaped rewards to unit variance "
                                          "before GAE (Stiennon et al.)")
-    reward: str = option(rm.DEFAULT_PART, "which reward-model score PPO maximises: content = "
-                         "f, the content score with length partialled out (default: the length "
-                         "term is what an earlier run hacked, running every sample to the "
-                         "48-token limit), full = f + w*g(length)")
+    reward: str = option(rm.DEFAULT_PART, "the score PPO maximises: content, f with length "
+                         "partialled out (departure 8), or full, f + w*g(length)")
     micro_batch: int = option(16, "sequences per forward (and backward) in the old, reference "
                                 "and inner-step passes; same gradient, less memory")
-    precision: str = option("fp32", "fp32 (the post), bf16 (the transformer bodies under "
-                                  "bfloat16 autocast; log-probs, values and losses stay fp32), "
-                                  "or auto: bf16 where this hardware has bf16 matmuls")
+    precision: str = option("fp32", "fp32 (the post), bf16 (the bodies under autocast, "
+                                  "departure 7) or auto: bf16 on native bf16 matmuls")
     eval_prompts: int = option(64, "held-out prompts for the final evaluation")
     checkpoint_every: int = option(10, "save a resumable checkpoint every N iterations")
     reward_model: str = option("runs/reward_model", "folder written by reward_model.py")
@@ -188,6 +184,10 @@ RANGES = {
 # (unless --force): a run continued with another beta or seed is no run at all.
 RESUME_MAY_CHANGE = ("iterations", "checkpoint_every", "eval_prompts", "micro_batch", "out",
                      "resume", "force", "seeds")
+# The settings printed when a run starts
+SHOWN = ("estimator", "iterations", "batch", "samples_per_prompt", "prompt_tokens",
+         "max_new_tokens", "inner_steps", "lr", "value_lr", "clip", "gamma", "lam", "micro_batch",
+         "precision", "eval_prompts", "kl_estimator", "target_kl", "reward")
 
 PRESETS = {
     # The post's hyperparameters, for a GPU or Apple silicon. Micro-batches of 4 give the same
@@ -260,29 +260,6 @@ def parse_args(argv=None):
     if responses % cfg.micro_batch:
         cfg.micro_batch = math.gcd(responses, cfg.micro_batch)
     return cfg
-
-
-# ---------------------------------------------------------------------------- prompts
-
-def encode(tokenizer, prompts, device):
-    """Left-padded prompt ids (B, P) and their attention mask (B, P)."""
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
-
-
-def micro_batches(prompt_mask, size):
-    """The batch as groups of `size` rows with similar prompt lengths: (rows, first) pairs,
-    rows a (b,) index tensor and first the group's first column that is not all padding.
-
-    Prompts are left-padded to the longest of the batch: at the blog preset a row holds 207
-    real prompt tokens on average in 250 or so columns. A group of similar lengths drops
-    the columns that are padding in all its rows, and that work is never done. Position ids
-    come from the mask, so the log-probs are those of the whole padded batch. The old pass
-    and every inner step use the same groups, hence the same shapes: the ratio stays exact.
-    """
-    padding = (prompt_mask == 0).sum(1)                         # (B,) left padding per row
-    order = torch.argsort(padding, stable=True)                 # least padding first
-    return [(rows, int(padding[rows].min())) for rows in order.split(size)]
 
 
 # ------------------------------------------------------------- generating and scoring
@@ -410,6 +387,24 @@ def policy_forward(policy, value_head, sequences, attention_mask, actions, tempe
         logp, entropy = out if with_entropy else (out, None)    # (B, T) each
         values = value_head(hidden) if value_head else None     # (B, T); none without a head
         return logp, values, entropy
+
+
+@torch.no_grad()
+def old_and_reference(policy, value_head, reference, sequences, attention, actions, groups, cfg):
+    """log pi_old(a_t|s_t), V(s_t) and log pi_ref(a_t|s_t) of the sampled actions, (B, T) each
+    (values 0 without a value head). In the inner step's micro-batches, groups and shapes
+    (departure 7), through the same `policy_forward`: the first inner step's ratio is 1."""
+    logp_old, values, logp_ref = (torch.zeros(actions.shape, device=actions.device)
+                                  for _ in range(3))                # (B, T) each
+    for rows, first in groups:
+        seq, att, act = sequences[rows, first:], attention[rows, first:], actions[rows]
+        with loaders.precision(cfg, actions.device):
+            logp_old[rows], v, _ = policy_forward(policy, value_head, seq, att, act,
+                                                  cfg.temperature)
+            logp_ref[rows] = token_log_probs(reference, seq, att, act, cfg.temperature)
+        if v is not None:                               # gae only; the others keep zeros
+            values[rows] = v
+    return logp_old, values, logp_ref
 
 
 # ---------------------------------------------------------------------------- losses
@@ -587,17 +582,9 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
 
         # ---- 3. old log-probs and values (training path), reference log-probs
         t = time.perf_counter()
+        logp_old, values, logp_ref = old_and_reference(policy, value_head, reference, sequences,
+                                                       attention, actions, groups, cfg)  # (B, T)
         with torch.no_grad():
-            logp_old, values, logp_ref = (torch.zeros(actions.shape, device=device)
-                                          for _ in range(3))                # (B, T) each
-            for rows, first in groups:                  # the inner step's groups and shapes
-                seq, att, act = sequences[rows, first:], attention[rows, first:], actions[rows]
-                with loaders.precision(cfg, device):
-                    logp_old[rows], v, _ = policy_forward(policy, value_head, seq, att, act,
-                                                          cfg.temperature)
-                    logp_ref[rows] = token_log_probs(reference, seq, att, act, cfg.temperature)
-                if v is not None:                       # gae only; the others keep zeros
-                    values[rows] = v
             # ---- 4. shaped reward (3)-(4), then GAE (5)-(6) and returns (7)
             # (4)  D_KL^(t) ~= log pi_old(a_t|s_t) - log pi_ref(a_t|s_t)   (k1; k3 if asked)
             kl = kl_per_token(logp_old, logp_ref, cfg.kl_estimator)         # (B, T)
@@ -646,8 +633,8 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         timer["update"] = time.perf_counter() - t
 
         # ---- metrics, on the whole batch (under torchrun, every rank's rows)
-        whole = map(parallel.gather, (scores, rewards, kl, logp_old, values, ret, mask, actions))
-        row = iteration_metrics(iteration, *whole, eos, logs, ratio_min, ratio_max,
+        whole = map(parallel.gather, (scores, rewards, kl, values, ret, mask, actions))
+        row = iteration_row(iteration, *whole, eos, logs, ratio_min, ratio_max,
                                 current_beta)
         if controller:                                  # on the batch's KL per sequence
             controller.update(row["kl"])
@@ -724,32 +711,6 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
     return parallel.total(log), torch.stack(ratios)             # (2 x parts,)
 
 
-def iteration_metrics(iteration, scores, rewards, kl, logp_old, values, ret, mask, actions,
-                      eos, logs, ratio_min, ratio_max, beta):
-    """One row of results.json: what the post and the concept lesson say to watch."""
-    m = mask.bool()
-    per_seq_kl = torch.where(m, kl, 0.0).sum(-1)                 # (B,) summed over tokens
-    non_score = torch.where(m, rewards, 0.0).sum(-1) - scores    # (B,) the -beta KL part
-    explained = None                                             # no value head
-    if ret is not None:
-        residual = (ret - values)[m]                             # (N,) real tokens
-        explained = (1 - residual.var(correction=0)
-                     / ret[m].var(correction=0).clamp(min=1e-12)).item()
-
-    def avg(key):                                               # over the inner steps
-        return sum(log[key] for log in logs) / len(logs)
-
-    return {"iteration": iteration, "responses": len(scores), "reward": scores.mean().item(),
-            "non_score_reward": non_score.mean().item(), "kl": per_seq_kl.mean().item(),
-            "response_length": m.sum(-1).float().mean().item(),
-            "eos_fraction": ended_with_eos(actions, m, eos).float().mean().item(),
-            "entropy": avg("entropy"), "clipfrac": avg("clipfrac"),
-            "approx_kl": avg("approx_kl"), "value_loss": avg("value_loss"),
-            "policy_loss": avg("policy_loss"), "ptx_loss": avg("ptx_loss"),
-            "explained_variance": explained,
-            "ratio_min": ratio_min, "ratio_max": ratio_max, "beta": beta}
-
-
 # ---------------------------------------------------------------------------- main
 
 def runs(cfg):
@@ -779,13 +740,9 @@ def main(argv=None):
     plan = check_run_folders([(beta, seed, run_dir_for(cfg, beta, seed)) for beta, seed in
                               runs(cfg)], run_config(cfg, None, None), RESUME_MAY_CHANGE)
     device = loaders.pick_device()
-    print(f"preset {cfg.preset} on {device}" + (f", {parallel.size()} processes"
-                                                 if parallel.size() > 1 else "") + ": " + ", ".join(
-        f"{k}={getattr(cfg, k)}" for k in ("iterations", "batch", "prompt_tokens",
-                                           "max_new_tokens", "inner_steps", "lr", "value_lr",
-                                           "clip", "gamma", "lam", "micro_batch", "precision",
-                                           "eval_prompts", "kl_estimator", "target_kl",
-                                           "reward")))
+    processes = f", {parallel.size()} processes" if parallel.size() > 1 else ""
+    print(f"preset {cfg.preset} on {device}{processes}: "
+          + ", ".join(f"{k}={getattr(cfg, k)}" for k in SHOWN))
     reward_path = Path(cfg.reward_model)
     if not (reward_path / "config.json").exists():
         raise cli.UserError(f"no reward model in {reward_path}: run `python reward_model.py"

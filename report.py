@@ -11,6 +11,7 @@ Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
     save_checkpoint       adapter, value head, AdamW moments and the RNG, as safetensors,
     load_checkpoint       so that `ppo.py --resume` continues a killed run exactly
     peak_memory_gb        CUDA's allocator peak, or the process's peak resident memory
+    iteration_row         one iteration's row of results.json (reward, KL, clipfrac, ...)
     print_row, print_gain, print_samples    one run's rows of the post's table (each reward
                           with its standard error, the paired gain over the reference)
     sweep_summary, sweep_markdown, report_sweep     the sweep's table, per beta over seeds
@@ -35,6 +36,7 @@ from safetensors.torch import load_file, save_file
 import cli
 import parallel
 from evaluate import spearman, standard_error
+from gae import ended_with_eos
 from lora import AdapterMismatch, load_adapter, save_adapter
 
 
@@ -233,6 +235,34 @@ def peak_memory_gb(device):
 
 
 # ------------------------------------------------------------------ tables and plots
+
+def iteration_row(iteration, scores, rewards, kl, values, ret, mask, actions, eos, logs,
+                  ratio_min, ratio_max, beta):
+    """One row of results.json: what the post and the concept lesson say to watch, from the
+    whole batch's tensors (every rank's, under torchrun): scores (B,); rewards, kl, values,
+    ret, mask and actions (B, T), ret None without a value head; the inner steps' logs."""
+    m = mask.bool()
+    per_seq_kl = torch.where(m, kl, 0.0).sum(-1)                 # (B,) summed over tokens
+    non_score = torch.where(m, rewards, 0.0).sum(-1) - scores    # (B,) the -beta KL part
+    explained = None                                             # no value head
+    if ret is not None:
+        residual = (ret - values)[m]                             # (N,) real tokens
+        explained = (1 - residual.var(correction=0)
+                     / ret[m].var(correction=0).clamp(min=1e-12)).item()
+
+    def avg(key):                                               # over the inner steps
+        return sum(log[key] for log in logs) / len(logs)
+
+    return {"iteration": iteration, "responses": len(scores), "reward": scores.mean().item(),
+            "non_score_reward": non_score.mean().item(), "kl": per_seq_kl.mean().item(),
+            "response_length": m.sum(-1).float().mean().item(),
+            "eos_fraction": ended_with_eos(actions, m, eos).float().mean().item(),
+            "entropy": avg("entropy"), "clipfrac": avg("clipfrac"),
+            "approx_kl": avg("approx_kl"), "value_loss": avg("value_loss"),
+            "policy_loss": avg("policy_loss"), "ptx_loss": avg("ptx_loss"),
+            "explained_variance": explained,
+            "ratio_min": ratio_min, "ratio_max": ratio_max, "beta": beta}
+
 
 def print_samples(samples, posts, title, n=3):
     print(f"\n{title}")

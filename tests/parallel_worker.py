@@ -33,7 +33,7 @@ def fixed_batch(tokenizer, policy, value_head, cfg):
     values drawn from a fixed seed, old log-probs from the policy itself."""
     g = torch.Generator().manual_seed(0)
     posts = [{"prompt": p, "summary": "a summary"} for p in PROMPTS * 2]
-    prompt_ids, prompt_mask = ppo.encode(tokenizer, [p["prompt"] for p in posts], "cpu")
+    prompt_ids, prompt_mask = loaders.encode(tokenizer, [p["prompt"] for p in posts], "cpu")
     actions = torch.randint(100, 5000, (len(posts), 7), generator=g)        # (B, T)
     actions[0, 3:] = tokenizer.eos_token_id                                 # ends early
     actions[4:, 4:] = tokenizer.eos_token_id                                # rank 1's rows
@@ -49,7 +49,7 @@ def fixed_batch(tokenizer, policy, value_head, cfg):
     rows = parallel.mine(torch.arange(len(posts)))      # this rank's rows; all in one process
     return ppo.Rollout(0, sequences[rows], attention[rows], actions[rows], mask[rows],
                        logp_old[rows], values[rows], adv[rows], ret[rows],
-                       ppo.micro_batches(prompt_mask[rows], cfg.micro_batch),
+                       loaders.micro_batches(prompt_mask[rows], cfg.micro_batch),
                        [posts[r] for r in rows.tolist()])
 
 

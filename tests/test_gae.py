@@ -55,8 +55,8 @@ def test_response_mask_keeps_first_eos_and_drops_eos_padding():
 # ---------------------------------------------------------------- eq. (3)-(4)
 
 def test_shaped_rewards_score_lands_on_eos_and_nothing_after():
-    logp_old = torch.tensor([[-1.0, -2.0, -0.5, -4.0], [-1.0, -2.0, -0.5, -4.0]], dtype=torch.float64)
-    logp_ref = torch.tensor([[-1.5, -1.0, -0.5, -9.0], [-1.5, -1.0, -0.5, -9.0]], dtype=torch.float64)
+    logp_old = torch.tensor([[-1.0, -2.0, -0.5, -4.0]] * 2, dtype=torch.float64)
+    logp_ref = torch.tensor([[-1.5, -1.0, -0.5, -9.0]] * 2, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
     score = torch.tensor([3.0, -1.0], dtype=torch.float64)
     r = shaped_rewards(logp_old, logp_ref, score, 0.1, mask)
@@ -70,7 +70,8 @@ def test_shaped_rewards_uses_a_precomputed_k3():
     logp_old = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
     logp_ref = torch.tensor([[-1.1, -2.0]], dtype=torch.float64)
     kl = kl_per_token(logp_old, logp_ref, "k3")
-    r = shaped_rewards(logp_old, logp_ref, torch.zeros(1, dtype=torch.float64), 1.0, torch.ones(1, 2), kl=kl)
+    r = shaped_rewards(logp_old, logp_ref, torch.zeros(1, dtype=torch.float64), 1.0,
+                       torch.ones(1, 2), kl=kl)
     # k3 at log r = -0.1: e^-0.1 - 1 + 0.1 = 0.0048374...
     assert r[0, 0].item() == pytest.approx(-(math.exp(-0.1) - 0.9), abs=1e-12)
     assert r[0, 1].item() == 0.0

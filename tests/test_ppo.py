@@ -39,7 +39,7 @@ def fake_batch(tokenizer, n=3, T=6, seed=0):
     prompts = ["SUBREDDIT: r/a\n\nTITLE: b\n\nPOST: c d e\n\nTL;DR:",
                "SUBREDDIT: r/x\n\nTITLE: y\n\nPOST: a much longer post, with more words\n\nTL;DR:",
                "SUBREDDIT: r/q\n\nTITLE: w\n\nPOST: e\n\nTL;DR:"][:n]
-    prompt_ids, prompt_mask = ppo.encode(tokenizer, prompts, "cpu")         # (B, P)
+    prompt_ids, prompt_mask = loaders.encode(tokenizer, prompts, "cpu")         # (B, P)
     actions = torch.randint(100, 5000, (n, T), generator=g)                 # (B, T)
     actions[0, 2:] = EOS                                                    # ends at t = 2
     return prompt_ids, prompt_mask, actions
@@ -80,7 +80,7 @@ def test_ratio_is_one_under_bf16_autocast_and_log_probs_stay_fp32(tiny, tokenize
 def test_micro_batches_cover_each_row_once_and_cut_only_padding():
     prompt_mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1], [0, 1, 1, 1],
                                 [0, 0, 1, 1]])
-    groups = ppo.micro_batches(prompt_mask, 2)
+    groups = loaders.micro_batches(prompt_mask, 2)
     rows = torch.cat([r for r, _ in groups])
     assert sorted(rows.tolist()) == [0, 1, 2, 3, 4]
     assert [len(r) for r, _ in groups] == [2, 2, 1]
@@ -92,7 +92,7 @@ def test_micro_batches_cover_each_row_once_and_cut_only_padding():
 
 def test_cut_micro_batches_give_the_padded_batch_log_probs(tiny, tokenizer):
     prompt_mask, sequences, attention, actions = fake_sequences(tokenizer)
-    groups = ppo.micro_batches(prompt_mask, 1)
+    groups = loaders.micro_batches(prompt_mask, 1)
     assert max(first for _, first in groups) > 0                 # something is cut
     with torch.no_grad():
         whole = ppo.token_log_probs(tiny, sequences, attention, actions)            # (B, T)
@@ -113,7 +113,7 @@ def real_samples(smollm2, tokenizer):
     torch.manual_seed(0)
     out = []
     for i in range(0, len(prompts), 32):
-        prompt_ids, prompt_mask = ppo.encode(tokenizer, prompts[i:i + 32], "cpu")
+        prompt_ids, prompt_mask = loaders.encode(tokenizer, prompts[i:i + 32], "cpu")
         sequences, actions = ppo.generate(smollm2, prompt_ids, prompt_mask, cfg, EOS)
         out.append((prompts[i:i + 32], prompt_ids, prompt_mask, sequences, actions))
     return out
