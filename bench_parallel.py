@@ -34,6 +34,21 @@ def timed_run(command, out):
     return wall, json.loads((out / "results.json").read_text())["iterations"]
 
 
+def print_timings(rows):
+    """One line per (name, wall seconds, iteration rows): the mean seconds an iteration with
+    its standard error over the iterations, each phase's mean, the mean response length
+    (a run that samples longer responses does more work) and the wall time."""
+    print(f"{'':30}{'iteration':>10}{'± SE':>7}" + "".join(f"{p:>10}" for p in PHASES)
+          + f"{'length':>8}{'wall s':>8}")
+    for name, wall, its in rows:
+        seconds = [r["seconds"] for r in its]
+        se = statistics.stdev(seconds) / len(seconds) ** 0.5 if len(seconds) > 1 else 0.0
+        print(f"{name:30}{statistics.mean(seconds):10.1f}{se:7.1f}"
+              + "".join(f"{statistics.mean(r[f'seconds_{p}'] for r in its):10.1f}"
+                        for p in PHASES)
+              + f"{statistics.mean(r['response_length'] for r in its):8.1f}{wall:8.0f}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="processes under torchrun")
@@ -49,15 +64,7 @@ def main(argv=None):
                               (f"torchrun --nproc_per_node {args.nproc}", spread)):
             rows.append((name, *timed_run(command, Path(scratch) / name.split()[0])))
     print(f"\nppo.py {' '.join(flags)}: mean seconds per iteration (rank 0's under torchrun)")
-    print(f"{'':30}{'iteration':>10}{'± SE':>7}" + "".join(f"{p:>10}" for p in PHASES)
-          + f"{'length':>8}{'wall s':>8}")
-    for name, wall, its in rows:
-        seconds = [r["seconds"] for r in its]
-        se = statistics.stdev(seconds) / len(seconds) ** 0.5 if len(seconds) > 1 else 0.0
-        print(f"{name:30}{statistics.mean(seconds):10.1f}{se:7.1f}"
-              + "".join(f"{statistics.mean(r[f'seconds_{p}'] for r in its):10.1f}"
-                        for p in PHASES)
-              + f"{statistics.mean(r['response_length'] for r in its):8.1f}{wall:8.0f}")
+    print_timings(rows)
     mean = [statistics.mean(r["seconds"] for r in its) for _, _, its in rows]
     print(f"torchrun / python, seconds an iteration: {mean[1] / mean[0]:.2f}")
 

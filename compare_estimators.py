@@ -19,14 +19,20 @@ against KL, one point per run.
 Run:   python compare_estimators.py                   (cpu preset: ~12 runs x ~27 min here)
        python compare_estimators.py --preset tiny --reward-model runs/rm_tiny --seeds 0
 Again: the same command resumes; finished runs are skipped. Any other flag goes to ppo.py.
+Time:  python compare_estimators.py --time 6          (each setting for 6 iterations, back to
+       back in temporary folders, on the first seed: seconds an iteration, per phase. The
+       table's minutes come from whole runs, however the machine was shared while they ran;
+       this is the like-for-like figure. Run it on an otherwise idle machine.)
 """
 
 import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+from bench_parallel import print_timings, timed_run
 from evaluate import standard_error
 from report import finished_row, read_results
 
@@ -53,6 +59,23 @@ def run_setting(name, args):
                *(["--resume"] if started else [])]
     print(f"\n=== {name}: {' '.join(command[1:])}", flush=True)
     return subprocess.run(command, cwd=Path(__file__).resolve().parent).returncode
+
+
+def time_settings(args):
+    """Each of --settings for --time iterations, one after another, each in a temporary
+    folder; the held-out evaluation (8 posts) is not timed. Prints seconds an iteration."""
+    timings = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.settings:
+            command = [sys.executable, "ppo.py", "--preset", args.preset, "--beta",
+                       str(args.beta), "--seeds", str(args.seeds[0]), "--reward-model",
+                       args.reward_model, *SETTINGS[name], "--iterations", str(args.time),
+                       "--eval-prompts", "8", *args.ppo_flags]
+            print(f"\n=== timing {name}: {' '.join(command[1:])}", flush=True)
+            timings.append((name, *timed_run(command, Path(scratch) / name)))
+    print(f"\n{args.preset} preset, beta {args.beta:g}, seed {args.seeds[0]}, {args.time} "
+          "iterations each: mean seconds an iteration")
+    print_timings(timings)
 
 
 def rows(name, args):
@@ -124,7 +147,13 @@ def main(argv=None):
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
                         help="run only these (the table shows every one that has results)")
     parser.add_argument("--table-only", action="store_true", help="run nothing; print the table")
+    parser.add_argument("--time", type=int, metavar="N", help="instead of the experiment, time "
+                        "N iterations of each setting, back to back (on an idle machine)")
     args, args.ppo_flags = parser.parse_known_args(argv)     # the rest go to ppo.py as they are
+    if args.time is not None:
+        if args.time < 2:
+            parser.error(f"argument --time: needs at least 2 iterations, got {args.time}")
+        return time_settings(args)
     if not args.table_only:
         for name in args.settings:
             if run_setting(name, args):

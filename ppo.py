@@ -639,7 +639,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         if controller:                                  # on the batch's KL per sequence
             controller.update(row["kl"])
         row.update({f"seconds_{k}": round(v, 3) for k, v in timer.items()},
-                   seconds=round(time.perf_counter() - t0, 3),
+                   seconds=round(time.perf_counter() - t0, 3), threads=torch.get_num_threads(),
                    peak_memory_gb=round(peak_memory_gb(device), 3))
         results["iterations"].append(row)
         write_json(Path(run_dir) / "results.json", results)

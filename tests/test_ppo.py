@@ -390,7 +390,7 @@ def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
         final["reward"] - final["ref"]["reward"], abs=1e-6)           # paired mean = difference
     assert len(final["human_samples"]) == 4
     keys = {"iteration", "reward", "kl", "response_length", "entropy", "clipfrac", "approx_kl",
-            "value_loss", "ratio_min", "ratio_max", "beta", "seconds"}
+            "value_loss", "ratio_min", "ratio_max", "beta", "seconds", "threads"}
     assert len(straight["iterations"]) == 4
     for row in straight["iterations"]:
         assert keys <= set(row)
@@ -702,6 +702,20 @@ def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_mode
                 str(tiny_reward_model), "--seeds", "0", "--settings", "rloo_4x2", "--out",
                 str(tmp_path), "--data-dir", str(small_data), "--iterations", "1")
     assert "=== rloo_4x2: every run is over, nothing to run" in again
+
+
+def test_compare_estimators_times_each_setting(tiny_reward_model, small_data, tmp_path):
+    out = run("compare_estimators.py", "--preset", "tiny", "--reward-model",
+              str(tiny_reward_model), "--time", "2", "--settings", "rloo_4x2", "reinforce",
+              "--data-dir", str(small_data), "--out", str(tmp_path / "unused"))
+    assert "tiny preset, beta 0.1, seed 0, 2 iterations each: mean seconds an iteration" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["iteration", "±"])
+    assert [line.split()[0] for line in lines[header + 1:header + 3]] == ["rloo_4x2",
+                                                                          "reinforce"]
+    numbers = [float(x) for x in lines[header + 1].split()[1:]]
+    assert len(numbers) == 8 and numbers[0] > 0         # s/it, SE, 4 phases, length, wall
+    assert not (tmp_path / "unused").exists()                    # temporary folders only
 
 
 @pytest.mark.slow
