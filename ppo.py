@@ -634,8 +634,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
 
         # ---- metrics, on the whole batch (under torchrun, every rank's rows)
         whole = map(parallel.gather, (scores, rewards, kl, values, ret, mask, actions))
-        row = iteration_row(iteration, *whole, eos, logs, ratio_min, ratio_max,
-                                current_beta)
+        row = iteration_row(iteration, *whole, eos, logs, ratio_min, ratio_max, current_beta)
         if controller:                                  # on the batch's KL per sequence
             controller.update(row["kl"])
         row.update({f"seconds_{k}": round(v, 3) for k, v in timer.items()},
