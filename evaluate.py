@@ -15,6 +15,11 @@ so each run also reports:
                      how much of it is copied rather than written
     distinct_2       distinct bigrams over all bigrams of the samples (diversity)
 
+What the samples look like (report.sweep_samples, from results.json's texts):
+    question_fraction  the share of summaries that end in "?": a judge that pays for the
+                       form of a TL;DR can be gamed with question-shaped text
+    median_sample      the sample of median reward, a typical one rather than the best
+
 Across the runs of a sweep (report.report_sweep):
     spearman         Spearman's rank correlation, e.g. of beta with the final KL: the
                      Pearson correlation of the ranks, tied values sharing their mean rank
@@ -22,7 +27,7 @@ Across the runs of a sweep (report.report_sweep):
 Nothing here runs a model: `heldout.rollouts` samples and scores, these functions count.
 
 Used by: heldout.py, report.py.
-Test: pytest tests/test_ppo.py -k "eos or bigram or gain or summarize or spearman"
+Test: pytest tests/test_ppo.py -k "eos or bigram or gain or summarize or spearman or question"
 """
 
 import math
@@ -94,6 +99,17 @@ def per_post(samples, keys, ref_samples=None):
             row["ref_reward"] = ref_samples[i]["reward"]
         rows.append({**row, **{k: s[k] for k in keys}})
     return rows
+
+
+def question_fraction(texts):
+    """The share of `texts` whose last non-blank character is '?' (0.0 for no texts)."""
+    return sum(t.rstrip().endswith("?") for t in texts) / max(len(texts), 1)
+
+
+def median_sample(samples):
+    """The sample of median reward; of an even count, the lower of the middle two."""
+    ranked = sorted(samples, key=lambda s: s["reward"])
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def ranks(values):

@@ -790,8 +790,7 @@ def main(argv=None):
             print(f"sweep: {len(plan) - left} of {len(plan)} runs over, about "
                   + (f"{eta / 60:.0f} min" if eta > 90 else f"{eta:.0f} s") + " to go")
     if len(plan) > 1 and parallel.is_main():    # the table, from every run's results.json
-        report_sweep([finished_row(d, cfg.iterations) for _, _, d in plan], base["baseline"],
-                     folder)
+        report_sweep([finished_row(d, cfg.iterations) for _, _, d in plan], base, folder)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
     print_row, print_gain, print_samples    one run's rows of the post's table (each reward
                           with its standard error, the paired gain over the reference)
     sweep_summary, sweep_markdown, report_sweep     the sweep's table, per beta over seeds
+    sweep_samples         what its samples look like: question-shaped ones, a median one
     plot_curves, plot_sweep                   curves.png and sweep.png
 
 Used by: ppo.py (tests: tests/test_ppo.py, resume and sweep end to end).
@@ -35,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 import cli
 import parallel
-from evaluate import spearman, standard_error
+from evaluate import median_sample, question_fraction, spearman, standard_error
 from gae import ended_with_eos
 from lora import AdapterMismatch, load_adapter, save_adapter
 
@@ -354,18 +355,48 @@ def sweep_markdown(summary, baseline, failed):
     return "\n".join(lines)
 
 
-def report_sweep(rows, baseline, out):
+def sweep_samples(table, results, posts):
+    """What the samples look like, per beta over its seeds: the share that end in "?" (each
+    seed's in brackets) and the median-reward sample of all seeds together, beside its
+    post's human TL;DR; the reference and people last. `results` maps each run's folder to
+    its results.json, `posts` is baseline.json's baseline_posts."""
+    def quote(text, n=150):
+        text = " ".join(text.split()).replace("|", "/")
+        return repr(text if len(text) <= n else text[:n] + "...")
+    human = posts["human_samples"]
+    lines = ['| beta | ends in "?" (per seed) | the median-reward sample (reward) '
+             "| its post's human TL;DR |", "|" + " --- |" * 4]
+    for beta in sorted({r["beta"] for r in table}):
+        runs = [results[r["run_dir"]]["final"]["samples"] for r in table if r["beta"] == beta]
+        every = [s for samples in runs for s in samples]
+        seeds = ", ".join(f"{question_fraction([s['text'] for s in x]):.2f}" for x in runs)
+        median = median_sample(every)
+        lines.append(f"| {beta:g} | {question_fraction([s['text'] for s in every]):.2f} "
+                     f"({seeds}) | {quote(median['text'])} ({median['reward']:+.2f}) "
+                     f"| {quote(human[median['post']]['text'])} |")
+    for name, samples in (("(ref)", posts["ref_samples"]), ("human", human)):
+        median = median_sample(samples)
+        lines.append(f"| {name} | {question_fraction([s['text'] for s in samples]):.2f} "
+                     f"| {quote(median['text'])} ({median['reward']:+.2f}) | |")
+    return "\n".join(lines)
+
+
+def report_sweep(rows, base, out):
     """The post's table from every run's row (report.finished_row): printed, and written as
     sweep.md, sweep.json and sweep.png. A failed run is a row of its own. The table ends
-    with the git commits of the code that ran it (issue 13: the README must say which)."""
+    with the git commits of the code that ran it (issue 13: the README must say which), and
+    sweep.md with what the samples look like (sweep_samples). `base`: baseline.json."""
     failed = [r for r in rows if r and r.get("failed")]
     table = [r for r in rows if r and not r.get("failed")]
+    baseline = base["baseline"]
     summary = sweep_summary(table, baseline)
+    results = {r["run_dir"]: read_results(r["run_dir"]) or {} for r in table + failed}
     # The code that made the table: every commit that wrote iterations of any run of it
-    commits = sorted({c for r in table + failed
-                      for c in (read_results(r["run_dir"]) or {}).get("commits") or [] if c})
+    commits = sorted({c for r in results.values() for c in r.get("commits") or [] if c})
     text = (sweep_markdown(summary, baseline, failed) + "\n\nCode: "
             + (", ".join(commits) or "unknown") + " (git commits, from the runs' results.json)")
+    if table:
+        text += "\n\n" + sweep_samples(table, results, base["baseline_posts"])
     print("\n" + text)
     if len(table) + len(failed) < len(rows):
         print(f"{len(rows) - len(table) - len(failed)} runs have not finished")

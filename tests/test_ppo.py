@@ -563,6 +563,30 @@ def test_sweep_summary_on_known_runs():
     assert summary["spearman_beta_kl"] == pytest.approx(-7.5 / math.sqrt(7.5 * 10))
 
 
+
+def test_question_fraction_and_median_sample():
+    assert evaluate.question_fraction(["Why?", "ok.", "what now? \n", "?!"]) == 0.5
+    assert evaluate.question_fraction([]) == 0.0
+    samples = [{"reward": r, "text": t} for r, t in ((3, "c"), (1, "a"), (4, "d"), (2, "b"))]
+    assert evaluate.median_sample(samples)["text"] == "b"           # lower of the middle two
+    assert evaluate.median_sample(samples[:3])["text"] == "c"
+
+
+def test_sweep_samples_pools_seeds_and_names_the_median():
+    def sample(post, reward, text):
+        return {"post": post, "reward": reward, "text": text}
+    results = {"a": {"final": {"samples": [sample(0, 1.0, "Help?"), sample(1, 3.0, "ok")]}},
+               "b": {"final": {"samples": [sample(0, 2.0, "fine | done"),
+                                           sample(1, 0.0, "Why?")]}}}
+    table = [{"beta": 0.0, "run_dir": "a"}, {"beta": 0.0, "run_dir": "b"}]
+    posts = {"human_samples": [sample(0, 0.5, "people's zero?"), sample(1, 0.1, "one")],
+             "ref_samples": [sample(0, -2.0, "long"), sample(1, -1.0, "longer")]}
+    lines = report.sweep_samples(table, results, posts).splitlines()
+    # rewards 0, 1, 2, 3 pooled over both seeds: the median is "Help?" (1.0), on post 0
+    assert lines[2] == ("| 0 | 0.50 (0.50, 0.50) | 'Help?' (+1.00) | \"people's zero?\" |")
+    assert lines[3] == "| (ref) | 0.00 | 'long' (-2.00) | |"
+    assert lines[4] == "| human | 0.50 | 'one' (+0.10) | |"
+
 # ------------------------------------------- --estimator, --samples-per-prompt, value options
 
 def test_value_clipping_on_a_hand_computed_example():
