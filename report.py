@@ -363,21 +363,22 @@ def sweep_samples(table, results, posts):
     def quote(text, n=150):
         text = " ".join(text.split()).replace("|", "/")
         return repr(text if len(text) <= n else text[:n] + "...")
+    def asked(samples):
+        return f"{question_fraction([s['text'] for s in samples]):.2f}"
     human = posts["human_samples"]
     lines = ['| beta | ends in "?" (per seed) | the median-reward sample (reward) '
              "| its post's human TL;DR |", "|" + " --- |" * 4]
     for beta in sorted({r["beta"] for r in table}):
         runs = [results[r["run_dir"]]["final"]["samples"] for r in table if r["beta"] == beta]
         every = [s for samples in runs for s in samples]
-        seeds = ", ".join(f"{question_fraction([s['text'] for s in x]):.2f}" for x in runs)
         median = median_sample(every)
-        lines.append(f"| {beta:g} | {question_fraction([s['text'] for s in every]):.2f} "
-                     f"({seeds}) | {quote(median['text'])} ({median['reward']:+.2f}) "
+        lines.append(f"| {beta:g} | {asked(every)} ({', '.join(asked(x) for x in runs)}) "
+                     f"| {quote(median['text'])} ({median['reward']:+.2f}) "
                      f"| {quote(human[median['post']]['text'])} |")
     for name, samples in (("(ref)", posts["ref_samples"]), ("human", human)):
         median = median_sample(samples)
-        lines.append(f"| {name} | {question_fraction([s['text'] for s in samples]):.2f} "
-                     f"| {quote(median['text'])} ({median['reward']:+.2f}) | |")
+        lines.append(f"| {name} | {asked(samples)} | {quote(median['text'])} "
+                     f"({median['reward']:+.2f}) | |")
     return "\n".join(lines)
 
 
