@@ -12,9 +12,9 @@ gradient steps per iteration, for the same iterations:
 
 each over --seeds at one beta, as a ppo.py sweep of its own in --out/<setting> (so
 --resume, the ETA and the failed-run rows come from ppo.py). Then one table: held-out
-reward mean ± standard error across seeds, the gain over the reference, KL, length,
-fluency, distinct-2 and the wall time of a run; and estimators.png, held-out reward
-against KL, one point per run.
+reward mean ± standard error across seeds, the gain over the reference, KL, length, the
+share of samples that end with EOS, fluency, distinct-2 and the wall time of a run; and
+estimators.png, held-out reward against KL, one point per run (bars: SE over posts).
 
 Run:   python compare_estimators.py                   (cpu preset: ~12 runs x ~27 min here)
        python compare_estimators.py --preset tiny --reward-model runs/rm_tiny --seeds 0
@@ -93,44 +93,44 @@ def rows(name, args):
 
 def table(runs, baseline):
     lines = ["| setting | runs | reward: mean ± SE over seeds | gain over (ref) | KL | length "
-             "| fluency | distinct-2 | minutes of training a run |", "|" + " --- |" * 9]
+             "| EOS | fluency | distinct-2 | minutes of training a run |", "|" + " --- |" * 10]
     for name in SETTINGS:
         mine = [r for r in runs if r["setting"] == name]
         done, failed = [r for r in mine if "reward" in r], [r for r in mine if r["failed"]]
         if not done:
-            lines.append(f"| {name} | 0 of {len(mine)} |" + " |" * 7)
+            lines.append(f"| {name} | 0 of {len(mine)} |" + " |" * 8)
             continue
         mean = lambda key: sum(r[key] for r in done) / len(done)  # noqa: E731
         rewards = [r["reward"] for r in done]
         lines.append(f"| {name} | {len(done)}{f' ({len(failed)} failed)' if failed else ''} "
                      f"| {mean('reward'):.2f} ± {standard_error(rewards):.2f} "
                      f"| {mean('gain_over_ref'):+.2f} | {mean('kl'):.2f} | {mean('length'):.1f} "
-                     f"| {mean('fluency'):.1f} | {mean('distinct_2'):.3f} "
-                     f"| {mean('seconds') / 60:.1f} |")
+                     f"| {mean('eos_fraction'):.2f} | {mean('fluency'):.1f} "
+                     f"| {mean('distinct_2'):.3f} | {mean('seconds') / 60:.1f} |")
     if baseline:
         ref, human = baseline["ref"], baseline["human"]
         lines.append(f"| (ref) | | {ref['reward']:.2f} ± {ref['reward_se']:.2f} (over posts) | "
-                     f"| 0 | {ref['length']:.1f} | {ref['fluency']:.1f} "
-                     f"| {ref['distinct_2']:.3f} | |")
+                     f"| 0 | {ref['length']:.1f} | {ref['eos_fraction']:.2f} "
+                     f"| {ref['fluency']:.1f} | {ref['distinct_2']:.3f} | |")
         lines.append(f"| human | | {human['reward']:.2f} ± {human['reward_se']:.2f} (over posts)"
-                     " |" + " |" * 6)
-    lines += [f"| {r['setting']} seed {r['seed']} | failed: {r['failed']} |" + " |" * 7
+                     " |" + " |" * 7)
+    lines += [f"| {r['setting']} seed {r['seed']} | failed: {r['failed']} |" + " |" * 8
               for r in runs if r["failed"]]
     return "\n".join(lines)
 
 
-def plot(runs, path):
+def plot(runs, beta, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for i, name in enumerate(SETTINGS):
         done = [r for r in runs if r["setting"] == name and "reward" in r]
-        ax.scatter([r["kl"] for r in done], [r["reward"] for r in done], color=f"C{i}",
-                   label=name)
+        ax.errorbar([r["kl"] for r in done], [r["reward"] for r in done], fmt="o",
+                    yerr=[r["reward_se"] for r in done], color=f"C{i}", label=name)
     ax.set_xlabel("held-out KL from the reference (nats)")
-    ax.set_ylabel("held-out reward")
-    ax.set_title("one point per run")
+    ax.set_ylabel("held-out reward (bars: SE over posts)")
+    ax.set_title(f"beta = {beta:g}: one point per run")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -165,7 +165,7 @@ def main(argv=None):
     print("\n" + text)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "estimators.md").write_text(text + "\n")
-    plot(runs, Path(args.out) / "estimators.png")
+    plot(runs, args.beta, Path(args.out) / "estimators.png")
     print(f"\ntable in {args.out}/estimators.md, plot in {args.out}/estimators.png")
 
 

@@ -721,6 +721,7 @@ def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_mode
     table = (tmp_path / "estimators.md").read_text()
     assert table.strip() in out
     assert "| rloo_4x2 | 1 |" in table and "| gae | 0 of 1 |" in table and "| (ref) |" in table
+    assert len({line.count("|") for line in table.splitlines()}) == 1     # columns line up
     assert (tmp_path / "estimators.png").stat().st_size > 1000
     again = run("compare_estimators.py", "--preset", "tiny", "--reward-model",
                 str(tiny_reward_model), "--seeds", "0", "--settings", "rloo_4x2", "--out",
