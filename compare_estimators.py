@@ -12,11 +12,13 @@ gradient steps per iteration, for the same iterations:
 
 each over --seeds at one beta, as a ppo.py sweep of its own in --out/<setting> (so
 --resume, the ETA and the failed-run rows come from ppo.py). Then one table: held-out
-reward mean ± standard error across seeds, the gain over the reference, KL, length, the
-share of samples that end with EOS, fluency, distinct-2 and the wall time of a run; and
-estimators.png, held-out reward against KL, one point per run (bars: SE over posts).
+reward mean ± standard error across seeds, the same for reward - beta KL (the objective
+they share), the gain over the reference, KL, length, the share of samples that end with
+EOS, fluency, distinct-2 and the wall time of a run; and estimators.png, held-out reward
+against KL, one point per run (bars: SE over posts).
 
-Run:   python compare_estimators.py                   (cpu preset: ~12 runs x ~27 min here)
+Run:   python compare_estimators.py                   (cpu preset: 12 runs of 36 to 63 min
+                                                        here, on a shared 2-core machine)
        python compare_estimators.py --preset tiny --reward-model runs/rm_tiny --seeds 0
 Again: the same command resumes; finished runs are skipped. Any other flag goes to ppo.py.
 Time:  python compare_estimators.py --time 6          (each setting for 6 iterations, back to
@@ -91,30 +93,36 @@ def rows(name, args):
     return out
 
 
-def table(runs, baseline):
-    lines = ["| setting | runs | reward: mean ± SE over seeds | gain over (ref) | KL | length "
-             "| EOS | fluency | distinct-2 | minutes of training a run |", "|" + " --- |" * 10]
+def table(runs, baseline, beta):
+    """The table; "reward - beta KL" is the objective every estimator maximises (the note's
+    R = score - beta sum_t KL_t), so a setting cannot buy its reward with drift."""
+    lines = ["| setting | runs | reward: mean ± SE over seeds | reward - beta KL ± SE "
+             "| gain over (ref) | KL | length | EOS | fluency | distinct-2 "
+             "| minutes of training a run |", "|" + " --- |" * 11]
     for name in SETTINGS:
         mine = [r for r in runs if r["setting"] == name]
         done, failed = [r for r in mine if "reward" in r], [r for r in mine if r["failed"]]
         if not done:
-            lines.append(f"| {name} | 0 of {len(mine)} |" + " |" * 8)
+            lines.append(f"| {name} | 0 of {len(mine)} |" + " |" * 9)
             continue
         mean = lambda key: sum(r[key] for r in done) / len(done)  # noqa: E731
         rewards = [r["reward"] for r in done]
+        objective = [r["reward"] - beta * r["kl"] for r in done]
         lines.append(f"| {name} | {len(done)}{f' ({len(failed)} failed)' if failed else ''} "
                      f"| {mean('reward'):.2f} ± {standard_error(rewards):.2f} "
+                     f"| {sum(objective) / len(done):.2f} ± {standard_error(objective):.2f} "
                      f"| {mean('gain_over_ref'):+.2f} | {mean('kl'):.2f} | {mean('length'):.1f} "
                      f"| {mean('eos_fraction'):.2f} | {mean('fluency'):.1f} "
                      f"| {mean('distinct_2'):.3f} | {mean('seconds') / 60:.1f} |")
     if baseline:
         ref, human = baseline["ref"], baseline["human"]
-        lines.append(f"| (ref) | | {ref['reward']:.2f} ± {ref['reward_se']:.2f} (over posts) | "
-                     f"| 0 | {ref['length']:.1f} | {ref['eos_fraction']:.2f} "
-                     f"| {ref['fluency']:.1f} | {ref['distinct_2']:.3f} | |")
+        lines.append(f"| (ref) | | {ref['reward']:.2f} ± {ref['reward_se']:.2f} (over posts) "
+                     f"| {ref['reward']:.2f} | | 0 | {ref['length']:.1f} "
+                     f"| {ref['eos_fraction']:.2f} | {ref['fluency']:.1f} "
+                     f"| {ref['distinct_2']:.3f} | |")
         lines.append(f"| human | | {human['reward']:.2f} ± {human['reward_se']:.2f} (over posts)"
-                     " |" + " |" * 7)
-    lines += [f"| {r['setting']} seed {r['seed']} | failed: {r['failed']} |" + " |" * 8
+                     " |" + " |" * 8)
+    lines += [f"| {r['setting']} seed {r['seed']} | failed: {r['failed']} |" + " |" * 9
               for r in runs if r["failed"]]
     return "\n".join(lines)
 
@@ -161,7 +169,7 @@ def main(argv=None):
     runs = [r for name in SETTINGS for r in rows(name, args)]
     baselines = sorted(Path(args.out).glob("*/baseline.json"))
     baseline = json.loads(baselines[0].read_text())["baseline"] if baselines else None
-    text = table(runs, baseline)
+    text = table(runs, baseline, args.beta)
     print("\n" + text)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "estimators.md").write_text(text + "\n")

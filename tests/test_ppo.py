@@ -729,6 +729,21 @@ def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_mode
     assert "=== rloo_4x2: every run is over, nothing to run" in again
 
 
+def test_compare_estimators_table_means_over_seeds_and_the_shared_objective():
+    import compare_estimators
+    run = {"gain_over_ref": 2.0, "length": 20.0, "eos_fraction": 1.0, "fluency": -50.0,
+           "distinct_2": 0.8, "seconds": 600.0, "failed": None, "setting": "rloo_2x4"}
+    runs = [{**run, "seed": 0, "reward": -0.5, "kl": 7.0},
+            {**run, "seed": 1, "reward": -0.3, "kl": 5.0},
+            {"setting": "reinforce", "seed": 0, "failed": "NaN in the loss"}]
+    text = compare_estimators.table(runs, None, beta=0.1)
+    # rewards -0.5, -0.3: mean -0.40, SE 0.10; reward - 0.1 KL: -1.2, -0.8: mean -1.00, SE 0.20
+    assert "| rloo_2x4 | 2 | -0.40 ± 0.10 | -1.00 ± 0.20 | +2.00 | 6.00 | 20.0 |" in text
+    assert "| reinforce | 0 of 1 |" in text and "| gae | 0 of 0 |" in text
+    assert "| reinforce seed 0 | failed: NaN in the loss |" in text
+    assert len({line.count("|") for line in text.splitlines()}) == 1
+
+
 def test_compare_estimators_times_each_setting(tiny_reward_model, small_data, tmp_path):
     out = run("compare_estimators.py", "--preset", "tiny", "--reward-model",
               str(tiny_reward_model), "--time", "2", "--settings", "rloo_4x2", "reinforce",
