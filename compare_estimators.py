@@ -29,6 +29,7 @@ Time:  python compare_estimators.py --time 6          (each setting for 6 iterat
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -131,15 +132,24 @@ def plot(runs, beta, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     for i, name in enumerate(SETTINGS):
         done = [r for r in runs if r["setting"] == name and "reward" in r]
         ax.errorbar([r["kl"] for r in done], [r["reward"] for r in done], fmt="o",
                     yerr=[r["reward_se"] for r in done], color=f"C{i}", label=name)
+    # Lines of equal reward - beta KL, the objective: a point up and to the right of another
+    # is only better when it sits on a higher line.
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    levels = range(math.floor(10 * (y0 - beta * x1)), math.ceil(10 * (y1 - beta * x0)) + 1)
+    for k, level in enumerate(c / 10 for c in levels):
+        ax.plot([x0, x1], [level + beta * x0, level + beta * x1], color="0.85", lw=0.8,
+                zorder=0, label=None if k else "equal reward - beta KL (0.1 apart)")
+    ax.set_xlim(x0, x1)
+    ax.set_ylim(y0, y1)
     ax.set_xlabel("held-out KL from the reference (nats)")
     ax.set_ylabel("held-out reward (bars: SE over posts)")
     ax.set_title(f"beta = {beta:g}: one point per run")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
