@@ -294,11 +294,18 @@ def print_gain(r):
     print(f"gain over (ref): {gain:+.2f} ± {se:.2f} ({z}, paired over {len(r['samples'])} posts)")
 
 
+def fluency_per_token(row):
+    """A row's fluency (a summary's total log-probability under the reference, a mean over
+    posts) over its mean length: the nats a token, which a short sample cannot win."""
+    return row["fluency"] / row["length"] if row["length"] else math.nan
+
+
 def sweep_summary(table, baseline):
     """Per beta, over its finished seeds: the mean final reward with its standard error
     across seeds, the worst and best, the mean gain over the reference, fluency worst to
-    best, and the means of KL, length, distinct-2, EOS, copied and the value loss (each
-    run's mean over its last 20 iterations). Over every run: Spearman's rho of beta with
+    best and per token (each run's fluency over its length: a total favours short samples),
+    and the means of KL, length, distinct-2, EOS, copied and the value loss (each run's
+    mean over its last 20 iterations). Over every run: Spearman's rho of beta with
     the final KL, and how far the best beta's mean reward went from the reference to the
     human TL;DRs (0 = the reference, 1 = people)."""
     betas = {}
@@ -306,12 +313,14 @@ def sweep_summary(table, baseline):
         runs = [r for r in table if r["beta"] == beta]
         mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
         rewards = sorted(r["reward"] for r in runs)
+        per_token = [fluency_per_token(r) for r in runs]
         betas[beta] = {"runs": len(runs), "reward": mean("reward"),
                        "reward_se_seeds": standard_error(rewards),
                        "reward_worst": rewards[0], "reward_best": rewards[-1],
                        "gain_over_ref": mean("gain_over_ref"),
                        "fluency_worst": min(r["fluency"] for r in runs),
                        "fluency_best": max(r["fluency"] for r in runs),
+                       "fluency_per_token": sum(per_token) / len(runs),
                        **{k: mean(k) for k in ("fluency", "kl", "length", "distinct_2",
                                                "eos_fraction", "copied_bigrams",
                                                "value_loss_last20")}}
@@ -327,18 +336,21 @@ def sweep_summary(table, baseline):
 def sweep_markdown(summary, baseline, failed):
     """The post's table as Markdown (printed, and saved as sweep.md for the README)."""
     lines = ["| beta | runs | reward: mean ± SE over seeds | worst to best | gain over (ref) "
-             "| fluency, worst to best | KL | length | distinct-2 | EOS | copied | value loss |",
+             "| fluency, worst to best (per token) | KL | length | distinct-2 | EOS | copied "
+             "| value loss |",
              "|" + " --- |" * 12]
     for beta, b in summary["by_beta"].items():
         lines.append(f"| {beta:g} | {b['runs']} | {b['reward']:.2f} ± {b['reward_se_seeds']:.2f} "
                      f"| {b['reward_worst']:.2f} to {b['reward_best']:.2f} "
                      f"| {b['gain_over_ref']:+.2f} "
-                     f"| {b['fluency_worst']:.1f} to {b['fluency_best']:.1f} | {b['kl']:.2f} "
+                     f"| {b['fluency_worst']:.1f} to {b['fluency_best']:.1f} "
+                     f"({b['fluency_per_token']:.2f}) | {b['kl']:.2f} "
                      f"| {b['length']:.1f} | {b['distinct_2']:.3f} | {b['eos_fraction']:.2f} "
                      f"| {b['copied_bigrams']:.2f} | {b['value_loss_last20']:.3f} |")
     ref, human = baseline["ref"], baseline["human"]
     lines.append(f"| (ref) | | {ref['reward']:.2f} ± {ref['reward_se']:.2f} (over posts) | | "
-                 f"| {ref['fluency']:.1f} | 0 | {ref['length']:.1f} | {ref['distinct_2']:.3f} "
+                 f"| {ref['fluency']:.1f} ({fluency_per_token(ref):.2f}) | 0 "
+                 f"| {ref['length']:.1f} | {ref['distinct_2']:.3f} "
                  f"| {ref['eos_fraction']:.2f} | {ref['copied_bigrams']:.2f} | |")
     lines.append(f"| human | | {human['reward']:.2f} ± {human['reward_se']:.2f} (over posts) "
                  "|" + " |" * 9)

@@ -557,6 +557,7 @@ def test_sweep_summary_on_known_runs():
     assert (zero["runs"], zero["reward"], zero["reward_worst"], zero["reward_best"]) == \
         (3, 2.0, 1.0, 3.0)
     assert zero["reward_se_seeds"] == pytest.approx(1 / math.sqrt(3))     # sd 1 over 3 seeds
+    assert zero["fluency_per_token"] == pytest.approx(-0.2)     # -0.1, -0.2, -0.3 a token
     assert summary["best_beta"] == 0
     assert summary["best_fraction_of_ref_to_human"] == pytest.approx((2 - -1) / (5 - -1))
     # ranks: beta 2,2,2,4.5,4.5 and KL 5,4,3,1,2; centred: (-1,-1,-1,1.5,1.5), (2,1,0,-2,-1)
