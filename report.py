@@ -436,22 +436,27 @@ def plot_curves(results, path):
 
 
 def plot_sweep(table, baseline, path):
+    """One point per run against beta: held-out reward (bars: its SE over posts), KL, and
+    fluency per token (a total would favour the short samples PPO learns to write)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     betas = sorted({r["beta"] for r in table})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, key in zip(axes, ("reward", "fluency")):
+    panels = (("reward", "reward", lambda r: r["reward"]),
+              ("kl", "KL from the reference (nats)", lambda r: r["kl"]),
+              ("fluency", "fluency, nats a token", fluency_per_token))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
+    for ax, (key, title, value) in zip(axes, panels):
         for i, beta in enumerate(betas):
             runs = [r for r in table if r["beta"] == beta]
-            ax.errorbar([i] * len(runs), [r[key] for r in runs], fmt="o", color="C0",
+            ax.errorbar([i] * len(runs), [value(r) for r in runs], fmt="o", color="C0",
                         yerr=[r["reward_se"] for r in runs] if key == "reward" else None)
-        ax.axhline(baseline["ref"][key], color="gray", ls="--", label="reference")
+        ax.axhline(value(baseline["ref"]), color="gray", ls="--", label="reference")
         if key == "reward":
             ax.axhline(baseline["human"]["reward"], color="C2", ls=":", label="human")
         ax.set_xticks(range(len(betas)), [f"{b:g}" for b in betas])
         ax.set_xlabel("beta (KL coefficient)")
-        ax.set_title(f"held-out {key}, one point per seed")
+        ax.set_title(f"held-out {title}, one point per seed", fontsize=10)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
