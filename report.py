@@ -313,14 +313,13 @@ def sweep_summary(table, baseline):
         runs = [r for r in table if r["beta"] == beta]
         mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
         rewards = sorted(r["reward"] for r in runs)
-        per_token = [fluency_per_token(r) for r in runs]
         betas[beta] = {"runs": len(runs), "reward": mean("reward"),
                        "reward_se_seeds": standard_error(rewards),
                        "reward_worst": rewards[0], "reward_best": rewards[-1],
                        "gain_over_ref": mean("gain_over_ref"),
                        "fluency_worst": min(r["fluency"] for r in runs),
                        "fluency_best": max(r["fluency"] for r in runs),
-                       "fluency_per_token": sum(per_token) / len(runs),
+                       "fluency_per_token": sum(map(fluency_per_token, runs)) / len(runs),
                        **{k: mean(k) for k in ("fluency", "kl", "length", "distinct_2",
                                                "eos_fraction", "copied_bigrams",
                                                "value_loss_last20")}}
