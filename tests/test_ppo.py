@@ -565,6 +565,20 @@ def test_sweep_summary_on_known_runs():
 
 
 
+def test_fluency_per_token_is_each_runs_ratio_then_the_mean():
+    """Two seeds at -10 nats over 5 tokens (-2 a token) and -30 over 10 (-3): the column is
+    -2.5, not the ratio of the means (-40 / 15 = -2.67). An empty sample has no rate."""
+    def run(fluency, length):
+        return {"beta": 0, "reward": 0.0, "kl": 0.0, "gain_over_ref": 0.0, "fluency": fluency,
+                "length": length, "distinct_2": 0.5, "eos_fraction": 1,
+                "copied_bigrams": 0.1, "value_loss_last20": 1}
+    baseline = {"ref": {"reward": -1.0}, "human": {"reward": 1.0}}
+    summary = report.sweep_summary([run(-10.0, 5), run(-30.0, 10)], baseline)
+    assert summary["by_beta"][0]["fluency_per_token"] == pytest.approx(-2.5)
+    assert report.fluency_per_token({"fluency": -4.0, "length": 2}) == -2.0
+    assert math.isnan(report.fluency_per_token({"fluency": 0.0, "length": 0}))
+
+
 def test_question_fraction_and_median_sample():
     assert evaluate.question_fraction(["Why?", "ok.", "what now? \n", "?!"]) == 0.5
     assert evaluate.question_fraction([]) == 0.0
