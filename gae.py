@@ -200,14 +200,27 @@ def _group_sums(x, group):
     return total[group], size[group]                                  # (B,), (B,)
 
 
+def _from_group_min(R, group):
+    """R_i - min_{j in i's group} R_j: every estimator below is unchanged by a shift of a
+    group's rewards, and this one is exact where it matters. A tied group becomes exact
+    zeros (x - x = 0 in any dtype), and two rewards within a factor of 2 of each other
+    subtract without rounding (Sterbenz), so a near tie keeps its true, tiny spread. Summing
+    the raw R instead rounds: 3 or 8 equal float32 rewards can sum to k R +- 1 ulp, and the
+    "mean" then sits beside every one of them. R, group: (B,) -> (B,)"""
+    low = torch.full((int(group.max()) + 1,), float("inf"), dtype=R.dtype, device=R.device)
+    low = low.scatter_reduce(0, group, R, reduce="amin")
+    return R - low[group]
+
+
 def rloo_advantages(R, group):
     """REINFORCE leave-one-out: each sample's baseline is the mean of the other k - 1
     samples of its prompt. R (B,) sequence rewards; group (B,) the prompt of each row, in
-    any order. Needs k >= 2 samples in every group. (B,)
+    any order. Needs k >= 2 samples in every group. A tied group gives exact zeros. (B,)
 
     For k = 2 the advantages are +-(R(y+) - R(y-)), and the loss is the note's contrastive
     form (`rloo_pair_objective`).
     """
+    R = _from_group_min(R, group)                                     # same A, exact ties
     total, k = _group_sums(R, group)
     if (k < 2).any():
         raise ValueError("rloo_advantages: every prompt needs at least 2 samples")
@@ -225,7 +238,8 @@ def rloo_pair_objective(R, logp):
 def grpo_advantages(R, group, unbiased=False, eps=1e-6):
     """GRPO's group-normalised advantage: (R_i - mean_g) / (std_g + eps) over the samples of
     a prompt (std with n - 1). With `unbiased` (Dr. GRPO) only R_i - mean_g. A group whose
-    rewards are all equal gives zeros. R, group: (B,) -> (B,)"""
+    rewards are all equal gives exact zeros, in any dtype. R, group: (B,) -> (B,)"""
+    R = _from_group_min(R, group)                                     # same A, exact ties
     total, k = _group_sums(R, group)
     centred = R - total / k                                           # (B,)
     if unbiased:

@@ -296,6 +296,72 @@ def test_grpo_advantages_are_standardised_per_group_and_zero_for_a_tie():
     assert unbiased.tolist() == [-2.0, -1.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0]
 
 
+# The three group estimators, each as a function of (R, group).
+GROUP_ESTIMATORS = {"rloo": gae.rloo_advantages, "grpo": gae.grpo_advantages,
+                    "dr_grpo": lambda R, group: gae.grpo_advantages(R, group, unbiased=True)}
+
+
+def float64_oracle(name, R, group):
+    """Each estimator written out per group in float64, on the float32 inputs' exact values."""
+    R = R.double()
+    out = torch.empty_like(R)
+    for g in group.unique():
+        rows = (group == g).nonzero().flatten()
+        r, k = R[rows], len(rows)
+        if name == "rloo":
+            out[rows] = r - (r.sum() - r) / (k - 1)
+        elif name == "dr_grpo":
+            out[rows] = r - r.mean()
+        else:
+            out[rows] = (r - r.mean()) / (r.std() + 1e-6)
+    return out
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+@pytest.mark.parametrize("k", [2, 3, 4, 8])
+def test_a_tied_group_gives_exact_zeros_in_float32(name, k):
+    """Issue 23: k equal float32 rewards can sum to k R +- 1 ulp, so a mean taken from the sum
+    sits beside every one of them, and GRPO's division by a std of the same size turned that
+    ulp into an advantage of 0.2-0.9. A tie must give exact zeros at any magnitude, in any
+    row order, beside groups that are not tied."""
+    gen = torch.Generator().manual_seed(k)
+    for magnitude in (1e-3, 1e-2, 0.1, 0.7, 1.0, 3.3, 10.0, 123.4, 1e3):
+        for trial in range(20):
+            tied = (torch.rand(5, generator=gen) * 2 - 1) * magnitude        # 5 tied groups
+            R = torch.cat([tied.repeat_interleave(k),
+                           torch.randn(k, generator=gen) * magnitude])      # and one not
+            R = R.float()                                                  # (6k,)
+            group = groups_of(k, 6)
+            perm = torch.randperm(6 * k, generator=gen)
+            adv = GROUP_ESTIMATORS[name](R[perm], group[perm])
+            assert adv.dtype == torch.float32
+            tie = group[perm] < 5
+            assert (adv[tie] == 0).all(), (magnitude, trial, adv[tie])
+            assert torch.allclose(adv.double(), float64_oracle(name, R[perm], group[perm]),
+                                  rtol=1e-4, atol=1e-5 * magnitude)
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+def test_a_near_tie_keeps_its_float64_advantages(name):
+    """A group one or two ulp apart is not a tie: its float32 advantages match the float64
+    formula on the same inputs (no jump between a tie and a near tie but the formula's own)."""
+    for value in (1e-3, 0.37, 1.0, 999.0):
+        x = torch.tensor(value, dtype=torch.float32)
+        up = torch.nextafter(x, torch.tensor(float("inf")))
+        R = torch.stack([x, x, up, torch.nextafter(up, torch.tensor(float("inf"))), x, x, x, up])
+        group = groups_of(4, 2)
+        adv = GROUP_ESTIMATORS[name](R, group)
+        assert torch.allclose(adv.double(), float64_oracle(name, R, group), rtol=1e-4,
+                              atol=1e-12)
+
+
+def test_grpo_tie_from_the_issue_all_samples_miss_the_eos():
+    """The issue's trigger: 8 samples of a prompt all miss the EOS at beta = 0, so all score
+    the missing-EOS penalty -0.7; before the fix every sample got A = -0.056."""
+    R = torch.full((8,), -0.7, dtype=torch.float32)
+    assert gae.grpo_advantages(R, groups_of(8, 1)).tolist() == [0.0] * 8
+
+
 def test_reinforce_baseline_follows_its_moving_average():
     batches = [torch.tensor([1.0, 3.0]), torch.tensor([0.0, 0.0]), torch.tensor([4.0, 6.0])]
     # b starts at batch 1's mean, 2; then 0.9 * 2 + 0.1 * 2 = 2; then 0.9 * 2 + 0.1 * 0 = 1.8
