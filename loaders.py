@@ -86,6 +86,10 @@ class DataError(cli.UserError):
     """A data source that is missing, unreadable, empty or in the wrong format."""
 
 
+class NoDataError(DataError):
+    """No data folder and no hub: the message already says where data is looked for."""
+
+
 def pick_device():
     """CUDA, then Apple's MPS, then the CPU."""
     if torch.cuda.is_available():
@@ -169,9 +173,14 @@ def check_common_args(parser, config):
 
 # ----------------------------------------------------------------------------- models
 
+def hub_offline():
+    """True when the user said so (HF_HUB_OFFLINE=1): use the Hugging Face cache only."""
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
 def hub_reachable(timeout=HUB_TIMEOUT):
     """True when huggingface.co answers within `timeout` seconds and we may use it."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+    if hub_offline():
         return False
     try:
         socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
@@ -339,6 +348,27 @@ def resolve_data_dir(flag=None):
     return SHARED_DATA if SHARED_DATA.is_dir() else None
 
 
+def no_data(what):
+    """The one line for a run that finds no data: where it looked, and what to do."""
+    return (f"no {what}: no --data-dir, no ${DATA_ENV}, no folder {SHARED_DATA}, and the hub "
+            f"did not answer within {HUB_TIMEOUT:.0f} s; pass --data-dir DIR or set "
+            f"{DATA_ENV}=DIR (a folder laid out like the project's shared/data: see "
+            "README, Offline), or run where huggingface.co answers")
+
+
+def hub_dataset(what, *args, **kwargs):
+    """`datasets.load_dataset(*args, **kwargs)`, or DataError within HUB_TIMEOUT seconds when
+    the hub does not answer (rather than the library's retries, ~25 s, and a traceback).
+    Under HF_HUB_OFFLINE=1 the Hugging Face cache is tried, and a miss is the same error."""
+    if not hub_offline() and not hub_reachable():
+        raise NoDataError(no_data(what))
+    from datasets import load_dataset             # slow to import; only the hub path needs it
+    try:
+        return load_dataset(*args, **kwargs)
+    except (ConnectionError, OSError, ValueError) as error:  # offline, and not in the cache
+        raise NoDataError(f"{no_data(what)} ({type(error).__name__}: {error})") from error
+
+
 def format_prompt(subreddit, title, post):
     """The post's prompt layout, ending in exactly 'TL;DR:'."""
     return PROMPT_LAYOUT.format(subreddit=subreddit.strip(), title=title.strip(),
@@ -425,8 +455,7 @@ def load_tldr(data_dir=None, hub_split="train[:2000]"):
     """TL;DR posts with the human summary: [{id, subreddit, title, post, prompt, summary}]."""
     root = resolve_data_dir(data_dir)
     if root is None:
-        from datasets import load_dataset
-        rows = load_dataset(TLDR, split=hub_split, revision=TLDR_REVISION)
+        rows = hub_dataset("TL;DR posts", TLDR, split=hub_split, revision=TLDR_REVISION)
         posts = []
         for i, row in enumerate(rows):
             fields = parse_prompt(row["prompt"])
@@ -492,9 +521,8 @@ def load_comparisons(data_dir=None):
     """Human comparisons: [{post_id, prompt, chosen, rejected, chosen_policy, ...}]."""
     root = resolve_data_dir(data_dir)
     if root is None:
-        from datasets import load_dataset
         rows = [row for split in ("train", "validation")
-                for row in load_dataset(COMPARISONS, "comparisons", split=split)]
+                for row in hub_dataset("comparisons", COMPARISONS, "comparisons", split=split)]
         kept = [c for c in map(_comparison, rows) if c is not None]
         _report(COMPARISONS, len(kept), len(rows) - len(kept), "comparisons")
         return kept

@@ -877,6 +877,8 @@ def run(config, staging, start):
     device = loaders.pick_device()
     try:
         comparisons = loaders.load_comparisons(config.data_dir or None)
+    except loaders.NoDataError:
+        raise
     except loaders.DataError as error:
         raise loaders.DataError(f"{error}; pass --data-dir a folder holding "
                                 "summarize_from_feedback_comparisons/batch*.json") from error

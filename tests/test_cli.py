@@ -14,6 +14,7 @@ import dataclasses
 import json
 import shutil
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -244,6 +245,45 @@ def test_hub_unreachable_is_said_once(monkeypatch, capsys):
         assert capsys.readouterr().out.count("hub unreachable") == 1
     finally:
         loaders._resolve_model.cache_clear()    # later tests resolve for real
+
+
+def test_no_data_anywhere_is_one_line_within_seconds(monkeypatch, capsys, tmp_path):
+    """Issue 23: a clone with no ../shared/data, no --data-dir and no hub. The data must fail
+    as the model does: one line that says where data is looked for, without the datasets
+    library's ~25 s of retries (here load_dataset is not even called), and nothing written."""
+    import datasets
+    nowhere = tmp_path / "no_shared_data"
+    monkeypatch.delenv(loaders.DATA_ENV, raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(loaders, "SHARED_DATA", nowhere)
+    monkeypatch.setattr(loaders, "hub_reachable", lambda timeout=None: False)
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("load_dataset called although the hub did not answer")
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    for load in (loaders.load_tldr, loaders.load_comparisons):
+        start = time.perf_counter()
+        with pytest.raises(loaders.DataError) as error:
+            load()
+        assert time.perf_counter() - start < 1
+        for where in ("--data-dir", loaders.DATA_ENV, str(nowhere), "huggingface.co"):
+            assert where in str(error.value)
+    model, _ = rm.build_reward_model(tiny_settings())    # untrained: ppo.py needs a folder
+    (tmp_path / "rm").mkdir()
+    rm.save_reward_model(model, tmp_path / "rm")
+    for main, argv in ((rm.main, ["--preset", "tiny"]),
+                       (ppo.main, ["--preset", "tiny", "--reward-model", str(tmp_path / "rm")])):
+        code, _, last = invoke(main, [*argv, "--out", str(tmp_path / "out")], capsys)
+        assert code == 1 and "--data-dir" in last and str(nowhere) in last
+        assert not (tmp_path / "out").exists()
+    # HF_HUB_OFFLINE=1 tries the Hugging Face cache; a miss there is the same one line
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def not_cached(*args, **kwargs):
+        raise ConnectionError("Couldn't reach the hub: offline mode is enabled")
+    monkeypatch.setattr(datasets, "load_dataset", not_cached)
+    with pytest.raises(loaders.DataError, match="--data-dir"):
+        loaders.load_tldr()
 
 
 @pytest.mark.parametrize("module, config, exempt", [

@@ -104,11 +104,10 @@ def test_cut_micro_batches_give_the_padded_batch_log_probs(tiny, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def real_samples(smollm2, tokenizer):
+def real_samples(smollm2, tokenizer, tldr_posts):
     """64 real SmolLM2 summaries of held-out TL;DR posts, sampled as ppo.py samples them."""
     cfg = ppo.parse_args(["--preset", "tiny", "--max-new-tokens", "48"])
-    import loaders
-    posts = loaders.load_tldr()[:64]
+    posts = tldr_posts[:64]
     prompts = [loaders.fit_prompt(tokenizer, p, 160) for p in posts]
     torch.manual_seed(0)
     out = []

@@ -54,8 +54,8 @@ def tiny_model(seed=0):
 
 
 @pytest.fixture(scope="module")
-def comparisons():
-    return loaders.load_comparisons()
+def comparisons(data_dir):
+    return loaders.load_comparisons(data_dir)
 
 
 # ------------------------------------------------------------------ (R1) and (R4)
