@@ -8,6 +8,7 @@ Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
                           new run does not write over an old one
     finished_row, record_failure, load_baseline     what a resumed sweep reads back: runs
                           that are over (or failed), and the reference and human rows
+    differences           where two runs' numbers differ, beyond timings and rounding
     save_checkpoint       adapter, value head, AdamW moments and the RNG, as safetensors,
     load_checkpoint       so that `ppo.py --resume` continues a killed run exactly
     peak_memory_gb        CUDA's allocator peak, or the process's peak resident memory
@@ -131,6 +132,31 @@ def read_results(run_dir):
         return None
     with cli.reading(path, "the results.json that ppo.py writes"):
         return json.loads(path.read_text())
+
+
+# What two runs of the same code may differ in by nature: time, memory, threads, folders,
+# and the commits of the code that wrote them.
+CIRCUMSTANCES = ("seconds", "peak_memory_gb", "threads", "run_dir", "commits")
+
+
+def differences(a, b, rel=1e-6, where=""):
+    """Where two results (JSON values) disagree, as ["where: a != b"], CIRCUMSTANCES aside.
+
+    Texts, counts and flags must be equal; floats equal to `rel` (relative, or absolute
+    near 0). One CPU gives the same bits on every rerun, but fp32 sums are ordered by the
+    CPU's kernels, and on some (AVX-512 MKL) by the alignment of a buffer, so a resumed
+    process may round the last bit differently. A real resume bug (a lost RNG state, a
+    reset AdamW moment) moves the numbers by far more than 1e-6."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = [k for k in {**a, **b} if not k.startswith(CIRCUMSTANCES)]
+        return [d for k in keys for d in differences(a.get(k), b.get(k), rel, f"{where}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b))
+                for d in differences(x, y, rel, f"{where}[{i}]")]
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+    if numbers and (math.isclose(a, b, rel_tol=rel, abs_tol=rel) or a == b):
+        return []
+    return [] if a == b else [f"{where or '.'}: {a!r} != {b!r}"]
 
 
 def finished_row(run_dir, iterations):

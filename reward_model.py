@@ -63,6 +63,14 @@ Departures from Stiennon et al. (each repeated at its line):
   8. Every summary is read at an EOS: training appends one, and PPO's responses that hit
      the length limit get one appended before scoring (`score_ids`), so a response cut at
      48 tokens looks like a training summary cut at 48 tokens, not like nothing seen before.
+  9. `--off-post-pairs N` adds N comparisons "under post p, p's own human TL;DR beats the
+     human TL;DR of another post q" (RRM, Liu et al. 2024, arXiv:2409.13156), and
+     `--off-post-sample-pairs M` the same with SmolLM2's samples for p and q. q is p's
+     neighbour in summary length, and both summaries are cut to the shorter: g(y) is equal,
+     (R5)'s length term cancels, and f learns only whether the summary belongs to the post.
+     The posts are those departure 7 may use. Human comparisons never show this: both
+     summaries of a comparison are of the same post, so nothing in them rewards reading it.
+     The relevance metrics (`relevance`) measure it on posts never trained on.
 Speed, exact: a pair's two summaries share one pass over their prompt (its keys and values
 are cached and copied), which causal attention makes identical to two full passes (tested).
 
@@ -132,6 +140,11 @@ class Config:
     reference_pairs: int = option(1024, "add this many 'human TL;DR beats the reference "
                                          "policy's sample' comparisons (departure 7); 0 = off")
     sample_batch: int = option(32, "prompts per generate call when sampling the reference")
+    off_post_pairs: int = option(0, "add this many 'under post p, p's human TL;DR beats "
+                                    "another post's TL;DR of the same length' comparisons "
+                                    "(departure 9); 0 = off")
+    off_post_sample_pairs: int = option(0, "the same with SmolLM2's samples (those drawn for "
+                                           "--reference-pairs, so at most that many); 0 = off")
     model: str = loaders.POLICY_NAME             # --model and --data-dir come from loaders
     data_dir: str = ""
 
@@ -156,7 +169,8 @@ RANGES = {"seed": cli.NON_NEGATIVE, "epochs": cli.COUNT, "max_pairs": cli.NON_NE
           "max_summary_tokens": cli.COUNT, "heldout_fraction": cli.Range(0, 1, True, True),
           "min_heldout_pairs": cli.NON_NEGATIVE, "max_heldout_pairs": cli.NON_NEGATIVE,
           "eval_batch": cli.COUNT, "reference_pairs": cli.NON_NEGATIVE,
-          "sample_batch": cli.COUNT}
+          "sample_batch": cli.COUNT, "off_post_pairs": cli.NON_NEGATIVE,
+          "off_post_sample_pairs": cli.NON_NEGATIVE}
 
 # The two scores a saved model gives (R5), and the one ppo.py maximises unless told.
 # `content` by default: the length term is what PPO exploited when it was part of the
@@ -634,6 +648,94 @@ def reference_pairs(tokenizer, posts, samples, config):
     return pairs
 
 
+def length_neighbours(lengths, seed):
+    """[(i, j)]: each item i but the longest, with j the next one up in length. A seeded
+    shuffle comes first, so items of equal length pair at random, not by their index."""
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    order.sort(key=lambda i: lengths[i])         # stable: equal lengths stay shuffled
+    return list(zip(order, order[1:]))
+
+
+def off_post_pairs(prompts, summaries, post_ids, eos_id, seed, kind="off_post"):
+    """Departure 9: under post p, p's own summary beats q's (q: p's length neighbour).
+
+    prompts: [prompt ids]; summaries: [summary ids, no EOS], one per post; both sides are
+    cut to the shorter of the two and end in EOS, so g(y_w) = g(y_l) and only f learns.
+    Returns the pairs in a seeded random order (take the first n).
+    """
+    pairs = []
+    for p, q in length_neighbours([len(x) for x in summaries], seed):
+        cut = min(len(summaries[p]), len(summaries[q]))
+        own, other = summaries[p][:cut], summaries[q][:cut]
+        if not cut or own == other:
+            continue
+        pairs.append({"post_id": post_ids[p], "prompt": prompts[p], "kind": kind,
+                      "chosen": own + [eos_id], "rejected": other + [eos_id],
+                      "chosen_len": cut, "rejected_len": cut,
+                      "chosen_tokens": cut, "rejected_tokens": cut})
+    random.Random(seed).shuffle(pairs)
+    return pairs
+
+
+def relevance(model, prompts, summaries, seed, batch_rows=32):
+    """Does the judge read the post? On posts never trained on, two measures:
+
+    accuracy: under post p, p's own summary beats its length neighbour q's, both cut to the
+        shorter (content and full agree: g cancels); Wilson 95% interval (R4).
+    gap_sd: the same uncut summary under its own post minus under q's post,
+        f(x_p, y_p) - f(x_q, y_p), averaged, in SDs of f(x_p, y_p) over the posts; with
+        its SE. 0 means the score ignores the post.
+    prompts: [prompt ids]; summaries: [summary ids, no EOS]. Returns a dict.
+    """
+    eos = model.settings["eos_id"]
+    pairs = off_post_pairs(prompts, summaries, list(range(len(prompts))), eos, seed)
+    own = score_grouped(model, [p["prompt"] for p in pairs], [p["chosen"] for p in pairs],
+                        batch_rows, split=True)                             # (n,)
+    other = score_grouped(model, [p["prompt"] for p in pairs],
+                          [p["rejected"] for p in pairs], batch_rows, split=True)  # (n,)
+    accuracy = pairwise_accuracy(own, other)
+    low, high = wilson_interval(accuracy, len(pairs))
+    moved = length_neighbours([len(x) for x in summaries], seed)            # [(p, q)]
+    home = score_grouped(model, [prompts[p] for p, _ in moved],
+                         [summaries[p] + [eos] for p, _ in moved], batch_rows, split=True)
+    away = score_grouped(model, [prompts[q] for _, q in moved],
+                         [summaries[p] + [eos] for p, _ in moved], batch_rows, split=True)
+    # gap_sd = mean_p (f(x_p, y_p) - f(x_q, y_p)) / SD_p f(x_p, y_p)
+    sd = home.double().std().item()
+    d = (home - away).double() / sd                                         # (n,)
+    return {"accuracy": accuracy, "wilson_low": low, "wilson_high": high, "pairs": len(pairs),
+            "gap_sd": d.mean().item(), "gap_sd_se": (d.std() / math.sqrt(len(d))).item(),
+            "posts": len(prompts)}
+
+
+def relevance_sets(model, tokenizer, reserve, encoded, samples, config):
+    """`relevance` on three sets of posts never trained on: human TL;DRs of ppo.py's
+    evaluation reserve (`reserve`: [(fitted prompt, post)], posts of no training comparison)
+    and of this split's held-out posts (`encoded`), and SmolLM2's samples for the latter."""
+    sets = {"human_reserve": ([tokenizer(prompt).input_ids for prompt, _ in reserve],
+                              [tokenizer(" " + p["summary"]).input_ids[:config.max_summary_tokens]
+                               for _, p in reserve]),
+            "human_heldout": ([p for p, _ in encoded], [h[:-1] for _, h in encoded]),
+            "samples_heldout": ([p for p, _ in encoded], [ids for ids, _ in samples])}
+    return {name: relevance(model, prompts, summaries, config.seed, config.eval_batch)
+            for name, (prompts, summaries) in sets.items() if len(prompts) >= 3}
+
+
+def relevance_metrics(sets):
+    """metrics.json's relevance keys: human TL;DRs on the evaluation reserve, SmolLM2's
+    samples on the held-out posts (NaN where a set was too small)."""
+    nan, out = float("nan"), {}
+    for prefix, name in (("relevance", "human_reserve"), ("relevance_sample", "samples_heldout")):
+        got = sets.get(name, {})
+        for key in ("accuracy", "wilson_low", "wilson_high", "pairs"):
+            out[f"{prefix}_{key}"] = got.get(key, nan)
+    human = sets.get("human_reserve", {})
+    out.update(relevance_gap_sd=human.get("gap_sd", nan),
+               relevance_gap_sd_se=human.get("gap_sd_se", nan))
+    return out
+
+
 def human_references(heldout, tldr_posts):
     """One human-written TL;DR per held-out post: ([(post, summary)], counts by source).
 
@@ -851,14 +953,14 @@ def sample_reference_phase(config, tokenizer, tldr_posts, reserved, heldout_c, e
     seconds taken).
     """
     t = time.time()
-    posts = []
-    if config.reference_pairs:
+    pool = []
+    if config.reference_pairs or config.off_post_pairs:
         excluded = reserved | {c["title"].strip() for c in heldout_c}
-        posts = [p for p in tldr_posts if p["title"].strip() not in excluded]
-        random.Random(config.seed).shuffle(posts)
-        posts = [{**p, "prompt": prompt} for p in posts
-                 if (prompt := loaders.fit_prompt(tokenizer, p, config.max_prompt_tokens))]
-        posts = posts[:config.reference_pairs]
+        pool = [p for p in tldr_posts if p["title"].strip() not in excluded]
+        random.Random(config.seed).shuffle(pool)
+        pool = [{**p, "prompt": prompt} for p in pool
+                if (prompt := loaders.fit_prompt(tokenizer, p, config.max_prompt_tokens))]
+    posts = pool[:config.reference_pairs]
     lm, _ = loaders.load_policy_and_tokenizer(config.model, device=device,   # ppo's reference
                                               preset="tiny" if config.preset == "tiny" else None)
     samples = sample_reference(lm, tokenizer, [tokenizer(p["prompt"]).input_ids for p in posts],
@@ -869,7 +971,18 @@ def sample_reference_phase(config, tokenizer, tldr_posts, reserved, heldout_c, e
     print(f"sampled the reference policy on {len(posts) + len(encoded)} posts in "
           f"{time.time() - t:.0f} s: {len(pairs)} reference pairs for training "
           f"(departure 7), {len(encoded)} samples for the held-out gap")
-    return pairs, gap_samples, time.time() - t
+    eos = tokenizer.eos_token_id
+    human = off_post_pairs([tokenizer(p["prompt"]).input_ids for p in pool],
+                           [tokenizer(" " + p["summary"]).input_ids[:config.max_summary_tokens]
+                            for p in pool], [p["id"] for p in pool], eos, config.seed,
+                           "off_post")[:config.off_post_pairs]
+    own = off_post_pairs([tokenizer(p["prompt"]).input_ids for p in posts],
+                         [ids for ids, _ in samples], [p["id"] for p in posts], eos,
+                         config.seed, "off_post_sample")[:config.off_post_sample_pairs]
+    if config.off_post_pairs or config.off_post_sample_pairs:
+        print(f"off-post pairs (departure 9): {len(human)} of human TL;DRs from {len(pool)} "
+              f"posts, {len(own)} of SmolLM2's samples from {len(posts)}")
+    return pairs, human, own, gap_samples, time.time() - t
 
 
 def run(config, staging, start):
@@ -908,6 +1021,8 @@ def run(config, staging, start):
                 "max_prompt_tokens": config.max_prompt_tokens,
                 "max_summary_tokens": config.max_summary_tokens,
                 "length_feature": "log(1 + tokens)",
+                "off_post_pairs": config.off_post_pairs,
+                "off_post_sample_pairs": config.off_post_sample_pairs,
                 "resolved_from": "random tiny model" if config.preset == "tiny"
                 else loaders.resolve_model(config.model)[0]}
     model, tokenizer = build_reward_model(settings, device)
@@ -943,7 +1058,7 @@ def run(config, staging, start):
           f"{len(fitted) - len(encoded)} with too long a title)")
 
     # The reference policy's own samples: departure 7's pairs, and the gap's other side.
-    extra_pairs, gap_samples, sampling_seconds = sample_reference_phase(
+    extra_pairs, off_human, off_sample, gap_samples, sampling_seconds = sample_reference_phase(
         config, tokenizer, tldr_posts, reserved, heldout_c, encoded, device)
 
     # (R6) w from people's choices and length alone, frozen before the network trains.
@@ -952,7 +1067,7 @@ def run(config, staging, start):
     model.length_weight.fill_(fit_length_weight(dg))
     print(f"length weight w = {model.length_weight.item():.3f} (R6: log(1 + tokens), fitted "
           f"on {len(human_pairs)} human comparisons, then frozen)")
-    train_pairs = human_pairs + extra_pairs
+    train_pairs = human_pairs + extra_pairs + off_human + off_sample
     random.Random(config.seed).shuffle(train_pairs)
     losses, train_accuracy = train(model, train_pairs, config)
 
@@ -971,7 +1086,15 @@ def run(config, staging, start):
     by_part, f_w, f_l = evaluate(model, heldout_pairs, config)
     gap = reference_gap(model, encoded, gap_samples, config) if encoded else None
     metrics, extra = collect_metrics(by_part, heldout_pairs, gap, model)
-    metrics.update(train_pairs=len(train_pairs), reference_pairs=len(extra_pairs))
+    metrics.update(train_pairs=len(train_pairs), reference_pairs=len(extra_pairs),
+                   off_post_pairs=len(off_human), off_post_sample_pairs=len(off_sample))
+    # Departure 9's measure, on posts never trained on: does the judge read the post?
+    reserve = [tldr_posts[i] for i in loaders.tldr_order(tldr_posts)[:loaders.EVAL_RESERVE]]
+    trained = {c["title"].strip() for c in train_c}
+    reserve = [(prompt, p) for p in reserve if p["title"].strip() not in trained
+               and (prompt := loaders.fit_prompt(tokenizer, p, config.max_prompt_tokens))]
+    extra["relevance"] = relevance_sets(model, tokenizer, reserve, encoded, gap_samples, config)
+    metrics.update(relevance_metrics(extra["relevance"]))
     extra.update(preset=config.preset, normalisation_bias=model.bias.item(),
                  normalisation_sources=sources, train_accuracy=train_accuracy,
                  human_train_pairs=len(human_pairs), sampling_seconds=sampling_seconds,
@@ -1042,8 +1165,17 @@ def print_summary(metrics, extra):
               f"cut at the limit {cut['mean_read_at_an_appended_eos']:+.2f} read at an appended "
               f"EOS (as PPO now does), {cut['mean_read_at_the_last_token']:+.2f} at their last "
               "token (before)")
-    print(f"trained on {metrics['train_pairs']} pairs ({metrics['reference_pairs']} of them "
-          f"reference pairs); {metrics['seconds']:.0f} s in all")
+    for name, what in (("human_reserve", "human TL;DRs, ppo.py's evaluation posts"),
+                       ("human_heldout", "human TL;DRs, held-out posts"),
+                       ("samples_heldout", "SmolLM2's samples, held-out posts")):
+        if r := extra["relevance"].get(name):
+            print(f"relevance, {what}: own beats another post's of the same length "
+                  f"{r['accuracy']:.3f} [{r['wilson_low']:.3f}, {r['wilson_high']:.3f}] "
+                  f"({r['pairs']} pairs); under its own post minus another's "
+                  f"{r['gap_sd']:+.2f} ± {r['gap_sd_se']:.2f} SDs")
+    print(f"trained on {metrics['train_pairs']} pairs ({metrics['reference_pairs']} reference "
+          f"pairs, {metrics['off_post_pairs']} + {metrics['off_post_sample_pairs']} off-post); "
+          f"{metrics['seconds']:.0f} s in all")
     for part in PARTS:
         print(f"verdict, {verdict(metrics, part)}")
 

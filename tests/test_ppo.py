@@ -401,11 +401,8 @@ def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
     run(*common, "--iterations", "4", "--out", str(tmp_path / "resumed"), "--resume")
     resumed = json.loads((tmp_path / "resumed" / "results.json").read_text())
     assert len(resumed["commits"]) == 2 and resumed["commits"][0] == straight["commits"][0]
-    timing = lambda row: {k: v for k, v in row.items()                     # noqa: E731
-                          if not k.startswith("seconds") and k != "peak_memory_gb"}
-    assert [timing(r) for r in resumed["iterations"]] == \
-        [timing(r) for r in straight["iterations"]]
-    assert resumed["final"]["reward"] == straight["final"]["reward"]
+    assert report.differences(resumed, straight) == []      # iterations and final, all
+    assert report.differences(resumed, {**straight, "final": {}}) != []   # it can tell
 
 
 def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
@@ -475,11 +472,6 @@ def test_check_finite_names_the_quantity():
                          advantage=torch.tensor([[0, float("inf"), 0], [float("nan"), 0, 0]]))
 
 
-def without_timing(row):
-    return {k: v for k, v in row.items()
-            if not k.startswith("seconds") and k not in ("peak_memory_gb", "run_dir")}
-
-
 def test_a_killed_sweep_resumes_to_the_uninterrupted_table(tiny_reward_model, small_data,
                                                            tmp_path):
     """Kill a sweep in its second run, resume it: the first run is skipped, the second
@@ -504,12 +496,9 @@ def test_a_killed_sweep_resumes_to_the_uninterrupted_table(tiny_reward_model, sm
     assert "resumed " in out and "reference and human rows: from " in out
     for name in ("beta0_seed0", "beta0.5_seed0"):
         a, b = (json.loads((d / name / "results.json").read_text()) for d in (straight, killed))
-        assert [without_timing(r) for r in a["iterations"]] == \
-            [without_timing(r) for r in b["iterations"]]
-        assert a["final"] == b["final"]
+        assert report.differences(a, b) == []
     a, b = (json.loads((d / "sweep.json").read_text()) for d in (straight, killed))
-    assert [without_timing(r) for r in a["runs"]] == [without_timing(r) for r in b["runs"]]
-    assert a["baseline"] == b["baseline"]
+    assert report.differences(a, b) == []
 
 
 def test_a_failed_run_is_a_row_of_the_sweep(tiny_reward_model, small_data, tmp_path,
@@ -533,6 +522,24 @@ def test_a_failed_run_is_a_row_of_the_sweep(tiny_reward_model, small_data, tmp_p
     assert [(r["beta"], "failed" in r) for r in sweep["runs"]] == [(0.0, False), (0.5, True)]
     ppo.main(argv + ["--resume"])
     assert "beta0.5_seed0: finished before, skipped" in capsys.readouterr().out
+
+
+def test_differences_ignore_circumstances_and_rounding_but_nothing_else():
+    run = {"config": {"beta": 0.1, "out": "a"}, "commits": ["abc"], "final": {"text": "hi"},
+           "iterations": [{"reward": 1.0, "seconds": 3.0, "seconds_update": 1.0,
+                           "threads": 2, "peak_memory_gb": 1.5, "eos": True}]}
+    other = json.loads(json.dumps(run))
+    other["commits"], other["iterations"][0].update(seconds=9.0, threads=1, peak_memory_gb=2)
+    assert report.differences(run, other) == []                   # circumstances only
+    other["iterations"][0]["reward"] = 1.0 + 1e-8                # a last-bit rounding
+    assert report.differences(run, other) == []
+    other["iterations"][0]["reward"] = 1.0 + 1e-4                # a real difference
+    assert report.differences(run, other) == [".iterations[0].reward: 1.0 != 1.0001"]
+    for change in ({"text": "ho"}, {"eos": False}, {}):
+        broken = json.loads(json.dumps(run))
+        broken["final"] = change
+        assert report.differences(run, broken)
+    assert report.differences([1, 2], [1, 2, 3]) and report.differences({"a": 1}, {"b": 1})
 
 
 def test_spearman_on_known_ranks():
@@ -693,8 +700,7 @@ def test_rloo_and_reinforce_resume_to_the_same_numbers(tiny_reward_model, tiny, 
                   resumed, progress=False)
         cfg = ppo.parse_args(common + ["--iterations", "3", "--resume"])
         _, _, b = ppo.train(cfg, 0.1, 0, models, pool, resumed, progress=False)
-        assert [without_timing(r) for r in a["iterations"]] == \
-            [without_timing(r) for r in b["iterations"]]
+        assert report.differences(a["iterations"], b["iterations"]) == []
 
 
 def test_each_sample_keeps_its_prompts_group(tiny_reward_model, tiny, tokenizer, tmp_path,
