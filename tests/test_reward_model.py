@@ -359,3 +359,82 @@ def test_tiny_preset_runs_end_to_end_in_under_a_minute(tmp_path, comparisons):
     scores = rm.score_texts(model, tokenizer, [first["prompt"]] * 2,
                             [first["chosen"], first["rejected"]], part="content")
     assert scores.tolist() == pytest.approx(probe["scores"], abs=1e-5)
+
+
+# ------------------------------------------------------------ off-post pairs and relevance
+
+def test_length_neighbours_pair_each_item_with_the_next_longer():
+    lengths = [5, 1, 3, 3, 9]
+    pairs = rm.length_neighbours(lengths, seed=0)
+    assert len(pairs) == 4                                     # all but the longest lead once
+    assert sorted(lengths[i] for i, _ in pairs) == [1, 3, 3, 5]
+    for i, j in pairs:
+        assert lengths[j] >= lengths[i] and i != j
+    # by hand, in length order 1, 3, 3, 5, 9: each step up is at most one rank
+    assert sorted(lengths[j] - lengths[i] for i, j in pairs) == [0, 2, 2, 4]
+
+
+def test_off_post_pairs_put_the_posts_own_summary_first_at_equal_length():
+    """Under post p (its prompt), p's summary beats q's, both cut to the shorter and ended in
+    EOS: equal *_tokens, so g(y) of (R5) cancels. Identical cut summaries make no pair."""
+    prompts = [[100], [200], [300], [400]]
+    summaries = [[1, 1, 1], [2, 2, 2, 2, 2], [3, 3], [1, 1]]    # post 3's cut = post 0's cut
+    pairs = rm.off_post_pairs(prompts, summaries, ["a", "b", "c", "d"], eos_id=9, seed=0)
+    owner = {"a": 0, "b": 1, "c": 2, "d": 3}
+    assert 1 <= len(pairs) <= 3
+    for p in pairs:
+        i = owner[p["post_id"]]
+        assert p["prompt"] == prompts[i] and p["kind"] == "off_post"
+        cut = p["chosen_tokens"]
+        assert p["chosen"] == summaries[i][:cut] + [9]
+        assert p["rejected"][-1] == 9 and p["rejected"][:-1] != summaries[i][:cut]
+        assert p["chosen_tokens"] == p["rejected_tokens"] == len(p["rejected"]) - 1 == cut
+        assert any(p["rejected"][:-1] == s[:cut] for j, s in enumerate(summaries) if j != i)
+    assert not [p for p in pairs if p["chosen"] == p["rejected"]]
+
+
+def judge(reads_post):
+    """A stand-in for score_grouped: +1 for each summary token equal to the prompt's first
+    token (a judge that reads the post), or the summary's length (one that does not)."""
+    def score(model, prompts, summaries, batch_rows=32, progress=False, split=False):
+        return torch.tensor([float(sum(t == p[0] for t in s)) if reads_post else float(len(s))
+                             for p, s in zip(prompts, summaries)])
+    return score
+
+
+def test_relevance_tells_a_judge_that_reads_the_post_from_one_that_does_not(monkeypatch):
+    prompts = [[1], [2], [3], [4], [5]]
+    summaries = [[1] * 2, [2] * 3, [3] * 3, [4] * 5, [5] * 2]
+    model = type("Model", (), {"settings": {"eos_id": 0}})()
+    monkeypatch.setattr(rm, "score_grouped", judge(reads_post=True))
+    got = rm.relevance(model, prompts, summaries, seed=0)
+    # own summary: every token matches its post; a neighbour's: none does
+    assert got["accuracy"] == 1.0 and got["pairs"] == 4 and got["posts"] == 5
+    assert got["wilson_low"] == pytest.approx(rm.wilson_interval(1.0, 4)[0])
+    # home scores of the 4 leading posts are their lengths, away scores 0: gap = mean / SD
+    moved = rm.length_neighbours([len(s) for s in summaries], 0)
+    home = torch.tensor([float(len(summaries[p])) for p, _ in moved], dtype=torch.float64)
+    assert got["gap_sd"] == pytest.approx((home.mean() / home.std()).item())
+    monkeypatch.setattr(rm, "score_grouped", judge(reads_post=False))
+    got = rm.relevance(model, prompts, summaries, seed=0)
+    assert got["accuracy"] == 0.5                              # equal lengths: every pair a tie
+    assert got["gap_sd"] == 0.0 and got["gap_sd_se"] == 0.0
+
+
+def test_off_post_training_pairs_leak_no_reserved_or_heldout_post(tldr_posts, tokenizer):
+    """The human and sample off-post pairs come only from posts departure 7 may use: none of
+    ppo.py's evaluation posts, none of this split's held-out posts."""
+    config = rm.parse_config(["--preset", "tiny", "--reference-pairs", "6", "--off-post-pairs",
+                              "40", "--off-post-sample-pairs", "4"])
+    posts = tldr_posts[:120]
+    reserved = {p["title"].strip() for p in posts[:30]}
+    heldout = [{"title": p["title"]} for p in posts[30:50]]
+    _, human, own, _, _ = rm.sample_reference_phase(config, tokenizer, posts, reserved,
+                                                    heldout, [], "cpu")
+    allowed = {p["id"] for p in posts[50:]}
+    assert len(human) == 40 and 1 <= len(own) <= 4
+    for pair in human + own:
+        assert pair["post_id"] in allowed
+        assert pair["chosen_tokens"] == pair["rejected_tokens"]
+    assert {p["kind"] for p in human} == {"off_post"} and {p["kind"] for p in own} == {
+        "off_post_sample"}
