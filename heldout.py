@@ -9,7 +9,11 @@ Per run:
     rollouts              sample on the held-out posts; per sample its reward, fluency, KL,
                           length, EOS and copied bigrams
     evaluate_run          the trained policy's rollouts against the reference, paired by
-                          post: the final entry of results.json, curves.png and the table
+                          post: the final entry of results.json, curves.png, samples.html
+                          and the table
+    outside_measures      per summary, what the judge never saw (quality.py): ROUGE-L
+                          against the human TL;DR, the rank of its own post when the
+                          summary alone retrieves it, and the judge's relevance gap
 
 It uses ppo.py's `generate`, `score` and `fluency`, so ppo.py imports it inside `main`.
 Test: pytest tests/test_ppo.py -k "end_to_end or sweep"
@@ -22,12 +26,16 @@ import loaders
 import ppo
 import reward_model as rm
 from evaluate import copied_bigrams, paired_gain, per_post, standard_error, summarize
+from quality import (asks_for_help, ends_with_question, paired_difference, retrieval_ranks,
+                     rouge_l, samples_page)
 from gae import ended_with_eos, response_mask
 from report import (load_baseline, plot_curves, print_gain, print_row, print_row_header,
                     print_samples, write_json)
 
 # The settings that decide the reference's held-out samples and the human rows: a resumed
-# sweep reuses its stored ones only when these agree.
+# sweep reuses its stored ones only when these agree (and when they carry MEASURES).
+MEASURES = 2                    # 2: with outside_measures; baseline.json files before had none
+OUTSIDE = ("rouge_l", "retrieval_rank", "relevance_gap", "question", "asks_help")  # per sample
 BASELINE_KEY = ("model", "reward_model", "reward", "data_dir", "preset", "prompt_tokens",
                 "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts", "batch",
                 "samples_per_prompt", "precision")
@@ -67,12 +75,55 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
     return out
 
 
+def outside_measures(samples, held_out, reward, tokenizer, human=False):
+    """Adds to each sample (one per held-out post, in order) what the judge never saw:
+    rouge_l against the post's human TL;DR (None for the TL;DRs themselves), retrieval_rank
+    of its own post among the held-out posts by TF-IDF on the summary alone (1 = found),
+    relevance_gap f(x_i, y_i) - f(x_{i+1}, y_i), the judge's content score under its own
+    post minus under the next one (the length term is the same under both), and whether it
+    ends in "?" or asks for help. samples: [{text, ids (EOS included if it ended)}]."""
+    eos = tokenizer.eos_token_id
+    cut = reward.settings["max_summary_tokens"]
+    prompts = [tokenizer(p["prompt"]).input_ids for p in held_out]
+    ids = [tokenizer(" " + s["text"]).input_ids[:cut] + [eos] if human else
+           s["ids"] if s["eos"] else s["ids"] + [eos] for s in samples]     # read at an EOS
+    home = rm.score_grouped(reward, prompts, ids)                            # (n,)
+    away = rm.score_grouped(reward, prompts[1:] + prompts[:1], ids)          # (n,)
+    ranks = retrieval_ranks([s["text"] for s in samples],
+                            [f"{p['title']}\n{p['post']}" for p in held_out])
+    for s, post, rank, h, a in zip(samples, held_out, ranks, home.tolist(), away.tolist()):
+        s.update(rouge_l=None if human else rouge_l(s["text"], post["summary"]),
+                 retrieval_rank=rank, relevance_gap=h - a,
+                 question=ends_with_question(s["text"]), asks_help=asks_for_help(s["text"]))
+    return samples
+
+
+def outside_summary(samples, ref_samples=None):
+    """Means of outside_measures over the posts; with ref_samples, the paired gains over the
+    reference's (policy minus reference on the same post, with their SEs)."""
+    mean = lambda key: sum(s[key] for s in samples) / len(samples)  # noqa: E731
+    out = {"retrieval_top1": sum(s["retrieval_rank"] == 1 for s in samples) / len(samples),
+           "retrieval_mrr": sum(1 / s["retrieval_rank"] for s in samples) / len(samples),
+           "relevance_gap": mean("relevance_gap"),
+           "relevance_gap_se": standard_error([s["relevance_gap"] for s in samples]),
+           "question_fraction": mean("question"), "asks_for_help": mean("asks_help")}
+    if samples[0]["rouge_l"] is not None:
+        out["rouge_l"] = mean("rouge_l")
+    if ref_samples is not None:
+        for key, of in (("rouge_l", lambda s: s["rouge_l"]),
+                        ("retrieval_mrr", lambda s: 1 / s["retrieval_rank"]),
+                        ("relevance_gap", lambda s: s["relevance_gap"])):
+            out[f"{key}_gain_over_ref"], out[f"{key}_gain_over_ref_se"] = paired_difference(
+                [of(s) for s in samples], [of(s) for s in ref_samples])
+    return out
+
+
 def reference_and_human(cfg, models, held_out, folder):
     """The floor and the ceiling on the held-out posts: the untrained model's samples and
     people's TL;DRs, scored. Once per sweep: `folder`/baseline.json keeps them, and a
     resumed sweep reads them back when the settings that made them (BASELINE_KEY) agree."""
     reference, reward, tokenizer, device = models
-    key = {k: getattr(cfg, k) for k in BASELINE_KEY}
+    key = {**{k: getattr(cfg, k) for k in BASELINE_KEY}, "measures": MEASURES}
     stored = load_baseline(folder / "baseline.json", key) if cfg.resume else None
     if stored:
         print(f"reference and human rows: from {folder / 'baseline.json'}")
@@ -82,14 +133,18 @@ def reference_and_human(cfg, models, held_out, folder):
     with loaders.precision(cfg, device):
         human = rm.score_texts(reward, tokenizer, [p["prompt"] for p in held_out],
                                [p["summary"] for p in held_out], part=cfg.reward).float()
-    human = [{"reward": r, "text": p["summary"]} for r, p in zip(human.tolist(), held_out)]
-    baseline = {"ref": summarize(ref_samples),
+        outside_measures(ref_samples, held_out, reward, tokenizer)
+        human = outside_measures([{"reward": r, "text": p["summary"]}
+                                  for r, p in zip(human.tolist(), held_out)],
+                                 held_out, reward, tokenizer, human=True)
+    baseline = {"ref": {**summarize(ref_samples), **outside_summary(ref_samples)},
                 "human": {"reward": sum(h["reward"] for h in human) / len(human),
-                          "reward_se": standard_error([h["reward"] for h in human])}}
+                          "reward_se": standard_error([h["reward"] for h in human]),
+                          **outside_summary(human)}}
     # Per post, once per results.json (the policy's rows also carry ref_reward).
     baseline_posts = {"ref_samples": per_post(ref_samples, ("length", "eos", "copied_bigrams",
-                                                            "text")),
-                      "human_samples": per_post(human, ("text",))}
+                                                            "text", *OUTSIDE)),
+                      "human_samples": per_post(human, ("text", *OUTSIDE[1:]))}
     print(f"reference: reward {baseline['ref']['reward']:.2f} ± {baseline['ref']['reward_se']:.2f}"
           f", fluency {baseline['ref']['fluency']:.1f}; human TL;DRs: reward "
           f"{baseline['human']['reward']:.2f} ± {baseline['human']['reward_se']:.2f}")
@@ -104,19 +159,23 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
     ref_samples, baseline = base["ref_samples"], base["baseline"]
     torch.manual_seed(10_000 + seed)
     samples = rollouts(policy, reference, reward, tokenizer, held_out, cfg, device)
+    with loaders.precision(cfg, device):
+        outside_measures(samples, held_out, reward, tokenizer)
     # Paired over the held-out posts: d_i = r_policy,i - r_ref,i (evaluate.py)
     gain, gain_se = paired_gain([s["reward"] for s in samples],
                                 [s["reward"] for s in ref_samples])
     last20 = results["iterations"][-20:]
     final = {**summarize(samples), "gain_over_ref": gain, "gain_over_ref_se": gain_se,
+             **outside_summary(samples, ref_samples),
              "ref": baseline["ref"], "human": baseline["human"],
              "value_loss_last20": sum(r["value_loss"] for r in last20) / len(last20),
-             "samples": per_post(samples, ("length", "eos", "copied_bigrams", "kl", "text"),
-                                 ref_samples),
+             "samples": per_post(samples, ("length", "eos", "copied_bigrams", "kl", "text",
+                                           *OUTSIDE), ref_samples),
              **base["baseline_posts"]}
     results["final"] = final
     write_json(run_dir / "results.json", results)
     plot_curves(results, run_dir / "curves.png")
+    write_samples_page(final, held_out, f"beta={beta:g} seed={seed}", run_dir / "samples.html")
     print_row_header()
     print_row(f"{beta:g}", final)
     print_row("(ref)", baseline["ref"])
@@ -128,3 +187,19 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
         print_samples([s for s, _ in ranked], [p for _, p in ranked],
                       "beta=0: the highest-reward samples (watch KL and length)")
     print(f"results in {run_dir}/results.json, curves in {run_dir}/curves.png")
+
+
+def write_samples_page(final, held_out, title, path):
+    """samples.html: per held-out post, the post, the human TL;DR, SmolLM2's sample and the
+    policy's, with their rewards, lengths, ROUGE-L and retrieval ranks (quality.py)."""
+    rows = []
+    for post, mine, ref, human in zip(held_out, final["samples"], final["ref_samples"],
+                                      final["human_samples"]):
+        rows.append({"post": post["prompt"], "human": human["text"], "reference": ref["text"],
+                     "policy": mine["text"], "policy_reward": mine["reward"],
+                     "reference_reward": ref["reward"], "human_reward": human["reward"],
+                     "policy_length": mine["length"], "reference_length": ref["length"],
+                     "policy_rouge_l": mine["rouge_l"], "reference_rouge_l": ref["rouge_l"],
+                     "policy_rank": mine["retrieval_rank"],
+                     "reference_rank": ref["retrieval_rank"]})
+    path.write_text(samples_page(rows, title), encoding="utf-8")

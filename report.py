@@ -134,9 +134,9 @@ def read_results(run_dir):
         return json.loads(path.read_text())
 
 
-# What two runs of the same code may differ in by nature: time, memory, threads, folders,
-# and the commits of the code that wrote them.
-CIRCUMSTANCES = ("seconds", "peak_memory_gb", "threads", "run_dir", "commits")
+# What two runs of the same code may differ in by nature: time (every "seconds*" key),
+# memory, threads, folders, whether it was resumed, and the commits of the code.
+CIRCUMSTANCES = {"peak_memory_gb", "threads", "run_dir", "commits", "out", "resume", "force"}
 
 
 def differences(a, b, rel=1e-6, where=""):
@@ -148,7 +148,7 @@ def differences(a, b, rel=1e-6, where=""):
     process may round the last bit differently. A real resume bug (a lost RNG state, a
     reset AdamW moment) moves the numbers by far more than 1e-6."""
     if isinstance(a, dict) and isinstance(b, dict):
-        keys = [k for k in {**a, **b} if not k.startswith(CIRCUMSTANCES)]
+        keys = [k for k in {**a, **b} if k not in CIRCUMSTANCES and not k.startswith("seconds")]
         return [d for k in keys for d in differences(a.get(k), b.get(k), rel, f"{where}.{k}")]
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         return [d for i, (x, y) in enumerate(zip(a, b))

@@ -382,7 +382,20 @@ def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
     assert "reward_se" in final["human"]
     assert [s["post"] for s in final["samples"]] == [0, 1, 2, 3]      # eval_prompts 4
     assert set(final["samples"][0]) == {"post", "reward", "ref_reward", "length", "eos",
-                                        "copied_bigrams", "kl", "text"}
+                                        "copied_bigrams", "kl", "text", "rouge_l",
+                                        "retrieval_rank", "relevance_gap", "question",
+                                        "asks_help"}
+    # the measures the judge never saw (issue 25), for the policy, the reference and people
+    outside = {"retrieval_top1", "retrieval_mrr", "relevance_gap", "relevance_gap_se",
+               "question_fraction", "asks_for_help"}
+    assert outside | {"rouge_l", "rouge_l_gain_over_ref", "retrieval_mrr_gain_over_ref",
+                      "relevance_gap_gain_over_ref_se"} <= set(final)
+    assert outside | {"rouge_l"} <= set(final["ref"]) and outside <= set(final["human"])
+    assert all(1 <= s["retrieval_rank"] <= 4 for s in final["samples"])
+    assert final["rouge_l_gain_over_ref"] == pytest.approx(
+        final["rouge_l"] - final["ref"]["rouge_l"], abs=1e-9)        # paired mean
+    page = (tmp_path / "straight" / "samples.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.count("<tr>") == 1 + 4
     assert [s["ref_reward"] for s in final["samples"]] == \
         [s["reward"] for s in final["ref_samples"]]
     assert final["gain_over_ref"] == pytest.approx(
