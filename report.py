@@ -314,10 +314,22 @@ def print_row(name, r):
 
 
 def print_gain(r):
-    """The paired gain over the reference: mean of r_policy,i - r_ref,i, its SE, in SEs."""
+    """The paired gain over the reference: mean of r_policy,i - r_ref,i, its SE, in SEs;
+    then the same for the measures the judge never saw, when the run has them."""
     gain, se = r["gain_over_ref"], r["gain_over_ref_se"]
     z = f"{gain / se:.1f} SE" if se > 0 else "SE n/a"            # NaN below two posts
     print(f"gain over (ref): {gain:+.2f} ± {se:.2f} ({z}, paired over {len(r['samples'])} posts)")
+    if "retrieval_mrr" not in r:
+        return
+    ref, human = r["ref"], r["human"]
+    print(f"outside the judge, policy (ref; human): ROUGE-L vs the human TL;DR "
+          f"{r['rouge_l']:.3f} ({ref['rouge_l']:.3f}), gain {r['rouge_l_gain_over_ref']:+.3f} ± "
+          f"{r['rouge_l_gain_over_ref_se']:.3f}; own post retrieved, MRR "
+          f"{r['retrieval_mrr']:.3f} ({ref['retrieval_mrr']:.3f}; {human['retrieval_mrr']:.3f}), "
+          f"gain {r['retrieval_mrr_gain_over_ref']:+.3f} ± {r['retrieval_mrr_gain_over_ref_se']:.3f}"
+          f"; judge's relevance gap {r['relevance_gap']:+.2f} ({ref['relevance_gap']:+.2f}; "
+          f"{human['relevance_gap']:+.2f}); ends in ? {r['question_fraction']:.2f} "
+          f"({ref['question_fraction']:.2f}; {human['question_fraction']:.2f})")
 
 
 def fluency_per_token(row):
@@ -392,6 +404,37 @@ def sweep_markdown(summary, baseline, failed):
     return "\n".join(lines)
 
 
+def outside_markdown(table, baseline):
+    """The sweep by what the judge never saw (heldout.outside_measures), per beta: each
+    measure's mean over seeds, and for ROUGE-L and retrieval the gain over the reference
+    paired by post, its mean over seeds +- the SE over seeds. Runs made before these
+    measures existed have none and are left out."""
+    table = [r for r in table if "retrieval_mrr" in r]
+    lines = ["| beta | runs | ROUGE-L | ROUGE-L gain over (ref) | retrieval top-1 | MRR "
+             "| MRR gain over (ref) | relevance gap | ends in ? | asks for help |",
+             "|" + " --- |" * 10]
+
+    def gain(runs, key):                                     # mean over seeds +- SE over seeds
+        values = [r[f"{key}_gain_over_ref"] for r in runs]
+        se = standard_error(values)
+        return f"{sum(values) / len(values):+.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}")
+
+    for beta in sorted({r["beta"] for r in table}):
+        runs = [r for r in table if r["beta"] == beta]
+        mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
+        lines.append(f"| {beta:g} | {len(runs)} | {mean('rouge_l'):.3f} | {gain(runs, 'rouge_l')} "
+                     f"| {mean('retrieval_top1'):.2f} | {mean('retrieval_mrr'):.3f} "
+                     f"| {gain(runs, 'retrieval_mrr')} | {mean('relevance_gap'):+.2f} "
+                     f"| {mean('question_fraction'):.2f} | {mean('asks_for_help'):.2f} |")
+    for name, row in (("(ref)", baseline["ref"]), ("human", baseline["human"])):
+        if "retrieval_mrr" in row:
+            rouge = f"{row['rouge_l']:.3f}" if "rouge_l" in row else "1"
+            lines.append(f"| {name} | | {rouge} | | {row['retrieval_top1']:.2f} "
+                         f"| {row['retrieval_mrr']:.3f} | | {row['relevance_gap']:+.2f} "
+                         f"| {row['question_fraction']:.2f} | {row['asks_for_help']:.2f} |")
+    return "\n".join(lines)
+
+
 def sweep_samples(table, results, posts):
     """What the samples look like, per beta over its seeds: the share that end in "?" (each
     seed's in brackets) and the median-reward sample of all seeds together, beside its
@@ -433,6 +476,11 @@ def report_sweep(rows, base, out):
     commits = sorted({c for r in results.values() for c in r.get("commits") or [] if c})
     text = (sweep_markdown(summary, baseline, failed) + "\n\nCode: "
             + (", ".join(commits) or "unknown") + " (git commits, from the runs' results.json)")
+    if any("retrieval_mrr" in r for r in table):
+        text += ("\n\nBy measures the judge never saw (ROUGE-L against the human TL;DR; "
+                 "the rank of a summary's own post among the held-out posts, retrieved by "
+                 "the summary alone; the judge's score under its own post minus under "
+                 "another):\n\n" + outside_markdown(table, baseline))
     if table:
         text += "\n\n" + sweep_samples(table, results, base["baseline_posts"])
     print("\n" + text)

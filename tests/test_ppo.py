@@ -424,6 +424,7 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
               "--out", str(tmp_path))
     assert "| beta | runs | reward: mean ± SE over seeds | worst to best |" in out
     assert "| (ref) |" in out and "| human |" in out and "Spearman's rho" in out
+    assert "By measures the judge never saw" in out and "| MRR gain over (ref) |" in out
     assert (tmp_path / "sweep.md").read_text().strip() in out
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert sweep["commits"] == [report.git_commit()]          # the code that made the table
@@ -553,6 +554,23 @@ def test_differences_ignore_circumstances_and_rounding_but_nothing_else():
         broken["final"] = change
         assert report.differences(run, broken)
     assert report.differences([1, 2], [1, 2, 3]) and report.differences({"a": 1}, {"b": 1})
+
+
+def test_the_sweeps_outside_table_means_seeds_and_skips_runs_without_the_measures():
+    """Two seeds at beta 0: ROUGE-L gains 0.05 and 0.07 -> +0.060 ± 0.010 (SE over seeds:
+    SD 0.01414 / sqrt 2); a beta-0.5 run from before the measures existed is left out."""
+    row = {"beta": 0.0, "seed": 0, "rouge_l": 0.2, "rouge_l_gain_over_ref": 0.05,
+           "retrieval_top1": 0.25, "retrieval_mrr": 0.4, "retrieval_mrr_gain_over_ref": 0.1,
+           "relevance_gap": 0.5, "question_fraction": 0.1, "asks_for_help": 0.05}
+    other = {**row, "seed": 1, "rouge_l": 0.3, "rouge_l_gain_over_ref": 0.07}
+    measures = {"retrieval_top1": 0.5, "retrieval_mrr": 0.6, "relevance_gap": 0.9,
+                "question_fraction": 0.0, "asks_for_help": 0.0}
+    base = {"ref": {**measures, "rouge_l": 0.15}, "human": measures}
+    lines = report.outside_markdown([row, other, {"beta": 0.5, "seed": 0}], base).splitlines()
+    assert lines[2] == ("| 0 | 2 | 0.250 | +0.060 ± 0.010 | 0.25 | 0.400 | +0.100 ± 0.000 "
+                        "| +0.50 | 0.10 | 0.05 |")
+    assert lines[3].startswith("| (ref) | | 0.150 | | 0.50 | 0.600 |")
+    assert lines[4].startswith("| human | | 1 | |") and len(lines) == 5
 
 
 def test_spearman_on_known_ranks():
