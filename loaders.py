@@ -41,7 +41,6 @@ Run `python loaders.py` to print what it finds.
 import argparse
 import contextlib
 import csv
-import dataclasses
 import functools
 import importlib.util
 import json
@@ -57,7 +56,7 @@ import torch
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
-import cli
+from support import cli
 
 hf_logging.disable_progress_bar()     # per-shard bars would bury our own output
 
@@ -136,11 +135,6 @@ def heads_in_fp32(hidden):
 def default_preset():
     """The preset a script picks when given none: `blog` with CUDA or MPS, else `cpu`."""
     return "cpu" if pick_device().type == "cpu" else "blog"
-
-
-def option(default, help):
-    """A dataclass field with its --help text (the Config of ppo.py and reward_model.py)."""
-    return dataclasses.field(default=default, metadata={"help": help})
 
 
 def positions(mask):

@@ -68,7 +68,6 @@ DDP:   torchrun --standalone --nproc_per_node N ppo.py --beta 0.1      (parallel
 Test:  pytest tests/test_ppo.py
 """
 
-import argparse
 import contextlib
 import copy
 import dataclasses
@@ -84,22 +83,26 @@ from pathlib import Path
 # reward_model.py); sleeping ones cost nothing measurable on an idle one. Before torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import parallel  # noqa: E402  (before tqdm: it turns the bars off on ranks other than 0)
+from support import parallel  # noqa: E402  (before tqdm: it turns bars off on ranks but 0)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import cli  # noqa: E402
+from support import cli  # noqa: E402
 import kernels  # noqa: E402
 import loaders  # noqa: E402
 import reward_model as rm  # noqa: E402
-from report import (check_run_folders, checkpoint_iteration, finished_row, git_commit,
-                    has_checkpoint, iteration_row, load_checkpoint, peak_memory_gb,
-                    record_failure, report_sweep, save_checkpoint, write_json)
+from support.config import option, read_config  # noqa: E402
+from support.heldout import evaluate_run, reference_and_human  # noqa: E402
+from support.measures import copied_bigrams  # noqa: E402
+from support.report import (check_run_folders, checkpoint_iteration, finished_row,  # noqa: E402
+                            git_commit, has_checkpoint, iteration_row, load_checkpoint,
+                            peak_memory_gb, record_failure, report_sweep, save_checkpoint,
+                            write_json)
 from gae import (ESTIMATORS, AdaptiveKLController, advantages_and_returns, ended_with_eos,
                  kl_per_token, per_token, response_mask, sequence_advantages,
                  sequence_rewards, shaped_rewards, whiten)
-from loaders import encode, micro_batches, option
+from loaders import encode, micro_batches
 from lora import with_lora
 
 
@@ -215,30 +218,8 @@ def parse_args(argv=None):
     """Config from the command line: defaults, then the preset, then explicit flags. Then
     every value is checked (CHOICES, RANGES, --out, --data-dir, --model): a bad one exits
     with status 2 and one line, before anything loads."""
-    parser = loaders.add_common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    for f in dataclasses.fields(Config):
-        if f.name in ("model", "data_dir"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool:
-            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
-        elif f.type is list:
-            kind = float if f.name == "beta" else int
-            parser.add_argument(flag, type=kind, nargs="+", default=None, help=f.metadata["help"])
-        else:
-            kind = {int: int, float: float}.get(f.type, str)
-            parser.add_argument(flag, type=kind, default=None, choices=CHOICES.get(f.name),
-                                help=f.metadata["help"])
-    args = vars(parser.parse_args(argv))
-    args.pop("debug")                                    # read by cli.run_script
-    preset = args["preset"] or "auto"
-    if preset == "auto":
-        preset = loaders.default_preset()
-    values = {**PRESETS[preset], "preset": preset}
-    values.update({k: v for k, v in args.items() if v is not None and v is not False})
-    cfg = Config(**values)
-    cli.check_flags(parser, cfg, RANGES)
-    loaders.check_common_args(parser, cfg)
+    cfg, parser = read_config(Config, PRESETS, RANGES, CHOICES, argv,
+                               __doc__.splitlines()[0])
     for beta, seed in runs(cfg):
         if problem := cli.out_problem(run_dir_for(cfg, beta, seed)):
             parser.error(problem)
@@ -710,6 +691,45 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
     return parallel.total(log), torch.stack(ratios)             # (2 x parts,)
 
 
+# ------------------------------------------------------ the final held-out evaluation
+
+@torch.no_grad()
+def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
+    """The post's last lines of `train`, on held-out posts: generate, score and fluency for
+    each post in `posts`, in batches; per sample (in their order): reward (the --reward
+    score), fluency, KL, length, eos, copied_bigrams, ids and text (support/measures.py).
+    support/heldout.py turns them into the run's final numbers."""
+    # In chunks of one iteration's responses: the same for every setting of
+    # tools/compare_estimators.py (8), so they share the reference's samples.
+    eos, out, step = tokenizer.eos_token_id, [], cfg.batch * cfg.samples_per_prompt
+    for i in tqdm(range(0, len(posts), step), desc="held-out samples", unit="batch",
+                  leave=False):
+        chunk = posts[i:i + step]
+        prompt_ids, prompt_mask = loaders.encode(tokenizer, [p["prompt"] for p in chunk], device)
+        with loaders.precision(cfg, device):
+            sequences, actions = generate(model, prompt_ids, prompt_mask, cfg, eos)
+            mask = response_mask(actions, eos)
+            attention = full_mask(prompt_mask, actions)
+            scores = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos,
+                               part=cfg.reward)                                      # (b,)
+            flu = fluency(reference, sequences, attention, actions, mask,
+                              cfg.temperature)                                       # (b,)
+            # KL of a summary: sum_t logp - logp_ref = (its log-prob under `model`) - fluency
+            own = flu if model is reference else fluency(
+                model, sequences, attention, actions, mask, cfg.temperature)         # (b,)
+        m, ended = mask.bool(), ended_with_eos(actions, mask, eos)                    # (b, T), (b,)
+        for b in range(len(chunk)):
+            ids = actions[b][m[b]].tolist()
+            words = ids[:-1] if ended[b] else ids               # the summary without its EOS
+            post = prompt_ids[b][prompt_mask[b].bool()].tolist()   # its prompt, no padding
+            out.append({"reward": scores[b].item(), "fluency": flu[b].item(),
+                        "kl": (own[b] - flu[b]).item(), "length": len(ids), "ids": ids,
+                        "eos": bool(ended[b]), "copied_bigrams": copied_bigrams(words, post),
+                        "text": tokenizer.decode(ids, skip_special_tokens=True)})
+    return out
+
+
+
 # ---------------------------------------------------------------------------- main
 
 def runs(cfg):
@@ -755,10 +775,10 @@ def main(argv=None):
     pool, held_out = loaders.load_prompts(cfg, tokenizer, posts)
     models = (reference, reward, tokenizer, device)
 
-    from heldout import evaluate_run, reference_and_human  # it imports this file: not at the top
     folder = Path(cfg.out or "runs/ppo_sweep") if len(plan) > 1 else plan[0][2]
     # The held-out evaluation runs on rank 0 alone; the others wait at their next collective.
-    base = reference_and_human(cfg, models, held_out, folder) if parallel.is_main() else None
+    base = (reference_and_human(cfg, models, held_out, folder, rollouts) if parallel.is_main()
+            else None)
 
     started, trained, base_saved = time.time(), 0, False
     for k, (beta, seed, run_dir) in enumerate(plan):
@@ -782,7 +802,8 @@ def main(argv=None):
             write_json(folder / "baseline.json", base)
             base_saved = True
         if parallel.is_main():
-            evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir)
+            evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir,
+                         rollouts)
         trained += cfg.iterations - start
         left = sum(not finished_row(d, cfg.iterations) for _, _, d in plan[k + 1:])
         if left and trained:    # at this process's pace so far, evaluation included
@@ -794,5 +815,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import ppo                  # run as the module `ppo`, the one heldout.py imports
-    cli.run_script(ppo.main)
+    cli.run_script(main)

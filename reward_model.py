@@ -81,7 +81,6 @@ Test:  python -m pytest -q tests/test_reward_model.py
 Use:   model = load_reward_model("runs/reward_model")
        r = score_ids(model, p, pm, y, ym, part="content")      # or part="full"
 """
-import argparse
 import inspect
 import json
 import math
@@ -90,7 +89,7 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # Before torch loads OpenMP: on a shared CPU, threads that spin while they wait for each
@@ -98,7 +97,7 @@ from pathlib import Path
 # processes); threads that sleep cost nothing measurable on an idle machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import parallel  # noqa: E402  (before tqdm: it turns the bars off on ranks other than 0)
+from support import parallel  # noqa: E402  (before tqdm: it turns bars off on ranks but 0)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -106,12 +105,12 @@ from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-import cli  # noqa: E402
+from support import cli  # noqa: E402
 import loaders  # noqa: E402
 import lora  # noqa: E402
 from gae import ended_with_eos, last_token_index  # noqa: E402
-from loaders import option  # noqa: E402
-from report import publish  # noqa: E402
+from support.config import option, read_config  # noqa: E402
+from support.report import publish  # noqa: E402
 
 
 @dataclass
@@ -184,22 +183,8 @@ def parse_config(argv=None):
     """Defaults, then the preset's overrides, then the flags given on the command line;
     then every value is checked (RANGES, --out, --data-dir, --model): a bad one exits with
     status 2 and one line, before anything loads."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    loaders.add_common_args(parser)
-    for f in fields(Config):
-        if f.name not in ("model", "data_dir"):
-            extra = {"choices": list(PRESETS)} if f.name == "preset" else {}
-            parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
-                                default=None, help=f.metadata["help"], **extra)
-    args = vars(parser.parse_args(argv))
-    args.pop("debug")                                    # read by cli.run_script
-    preset = args["preset"] or loaders.default_preset()
-    config = Config(**{**PRESETS[preset], "preset": preset})
-    for name, value in args.items():
-        if value is not None:
-            setattr(config, name, value)
-    cli.check_flags(parser, config, RANGES)
-    loaders.check_common_args(parser, config)
+    config, parser = read_config(Config, PRESETS, RANGES, {"preset": tuple(PRESETS)}, argv,
+                                 __doc__.splitlines()[0])
     if problem := cli.out_problem(config.out):
         parser.error(problem)
     return config
@@ -603,6 +588,11 @@ def serves_in_evaluation(comparison, reserved_titles):
             and "ref" in (comparison["chosen_policy"], comparison["rejected_policy"]))
 
 
+# The post's sampling settings (MAX_NEW_TOKENS, TEMPERATURE, TOP_K, TOP_P), as ppo.py's
+# `generate` samples by default; tests/test_reward_model.py checks that the two agree.
+POST_SAMPLING = {"max_new_tokens": 48, "temperature": 1.0, "top_k": 50, "top_p": 0.95}
+
+
 @torch.no_grad()
 def sample_reference(lm, tokenizer, prompts, batch, seed, desc):
     """One summary per prompt (id lists) from the reference policy, sampled as in PPO.
@@ -610,8 +600,7 @@ def sample_reference(lm, tokenizer, prompts, batch, seed, desc):
     Returns [(ids without the EOS, ended: bool)] in the prompts' order. Prompts of similar
     length share a `generate` call; the draw is seeded without touching the caller's RNG.
     """
-    import ppo                    # its `generate`, the post's; ppo.py imports this file
-    settings, eos = ppo.Config(), tokenizer.eos_token_id        # the post's sampling settings
+    eos = tokenizer.eos_token_id
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     samples = [None] * len(prompts)
     with torch.random.fork_rng():
@@ -620,7 +609,9 @@ def sample_reference(lm, tokenizer, prompts, batch, seed, desc):
             rows = order[start:start + batch]
             ids, mask = pad([prompts[i] for i in rows], tokenizer.pad_token_id, "left",
                             lm.device)                                      # (b, P)
-            _, actions = ppo.generate(lm, ids, mask, settings, eos)         # (b, T)
+            out = lm.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                              pad_token_id=eos, **POST_SAMPLING)            # (b, P+T)
+            actions = out[:, ids.shape[1]:]                                 # (b, T)
             for i, row in zip(rows, actions.tolist()):
                 cut = row.index(eos) if eos in row else len(row)
                 samples[i] = (row[:cut], cut < len(row))

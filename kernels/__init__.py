@@ -23,7 +23,7 @@ Triton is optional: without it (macOS) everything runs on the fallback and
 set_backend("triton") raises.
 
 Test:  python -m pytest -q tests/test_kernels.py
-Bench: python kernels/bench.py
+Bench: python -m tools.bench_kernels
 """
 import os
 

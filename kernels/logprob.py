@@ -51,7 +51,7 @@ calculation for softmax" (arXiv:1805.02867, section 3); FlashAttention (arXiv:22
 section 3.1) uses the same recomputation of softmax from a saved logsumexp in backward.
 
 Test:  python -m pytest -q tests/test_kernels.py
-Bench: python kernels/bench.py
+Bench: python -m tools.bench_kernels
 """
 import os
 

@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import parallel  # noqa: E402
+from support import parallel  # noqa: E402
 import torch  # noqa: E402
 
 import loaders  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import cli
+from support import cli
 import loaders
 import ppo
 import reward_model as rm

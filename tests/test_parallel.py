@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import parallel
-import report
+from support import parallel
+from support import report
 import reward_model as rm
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,11 +22,11 @@ import time
 import pytest
 import torch
 
-import evaluate
 import loaders
 import ppo
-import report
 import reward_model as rm
+from support import measures, report
+from tools import compare_estimators
 from gae import advantages_and_returns, response_mask, shaped_rewards, whiten
 from lora import with_lora
 
@@ -285,32 +285,32 @@ def test_score_passes_the_part_to_the_reward_model(tokenizer, monkeypatch):
 def test_ended_with_eos():
     actions = torch.tensor([[5, 2, 2, 2], [5, 6, 7, 8], [2, 9, 9, 9]])     # (B, T)
     mask = response_mask(actions, EOS)
-    assert evaluate.ended_with_eos(actions, mask, EOS).tolist() == [True, False, True]
+    assert measures.ended_with_eos(actions, mask, EOS).tolist() == [True, False, True]
     # An EOS outside the mask does not count.
-    assert not evaluate.ended_with_eos(torch.tensor([[5, 6, 2]]), torch.tensor([[1, 1, 0]]),
+    assert not measures.ended_with_eos(torch.tensor([[5, 6, 2]]), torch.tensor([[1, 1, 0]]),
                                        EOS).item()
 
 
 def test_copied_bigrams():
     prompt = [1, 2, 3, 4]                                   # bigrams (1,2) (2,3) (3,4)
     # (2,3) (3,9) (9,2) (2,3): the two (2,3) are in the prompt, counted with repeats
-    assert evaluate.copied_bigrams([2, 3, 9, 2, 3], prompt) == 0.5
-    assert evaluate.copied_bigrams([1, 2, 3, 4], prompt) == 1.0
-    assert evaluate.copied_bigrams([4, 3, 2, 1], prompt) == 0.0   # order matters
-    assert evaluate.copied_bigrams([2], prompt) == evaluate.copied_bigrams([], prompt) == 0.0
+    assert measures.copied_bigrams([2, 3, 9, 2, 3], prompt) == 0.5
+    assert measures.copied_bigrams([1, 2, 3, 4], prompt) == 1.0
+    assert measures.copied_bigrams([4, 3, 2, 1], prompt) == 0.0   # order matters
+    assert measures.copied_bigrams([2], prompt) == measures.copied_bigrams([], prompt) == 0.0
 
 
 def test_standard_error_and_paired_gain():
-    assert evaluate.standard_error([1.0, 2.0, 3.0]) == pytest.approx(1 / 3 ** 0.5)   # s = 1
-    assert evaluate.standard_error([4.0]) != evaluate.standard_error([4.0])          # NaN
-    gain, se = evaluate.paired_gain([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])   # d = 1, 2, 3
+    assert measures.standard_error([1.0, 2.0, 3.0]) == pytest.approx(1 / 3 ** 0.5)   # s = 1
+    assert measures.standard_error([4.0]) != measures.standard_error([4.0])          # NaN
+    gain, se = measures.paired_gain([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])   # d = 1, 2, 3
     assert gain == pytest.approx(2.0) and se == pytest.approx(1 / 3 ** 0.5)
     # Pairing: the posts' own spread (here +-10) cancels; unpaired, the SE would be ~6.
     ref = [10.0, -10.0, 0.0]
-    gain, se = evaluate.paired_gain([r + d for r, d in zip(ref, [1, 2, 3])], ref)
+    gain, se = measures.paired_gain([r + d for r, d in zip(ref, [1, 2, 3])], ref)
     assert gain == pytest.approx(2.0) and se == pytest.approx(1 / 3 ** 0.5)
     with pytest.raises(ValueError, match="one reference reward per policy reward"):
-        evaluate.paired_gain([1.0, 2.0], [1.0])
+        measures.paired_gain([1.0, 2.0], [1.0])
 
 
 def test_summarize_and_per_post_rows():
@@ -318,12 +318,12 @@ def test_summarize_and_per_post_rows():
                 "eos": True, "copied_bigrams": 0.5, "text": "a"},
                {"reward": 3.0, "fluency": -4.0, "kl": 1.5, "length": 4, "ids": [7, 8, 9, 9],
                 "eos": False, "copied_bigrams": 0.0, "text": "b"}]
-    got = evaluate.summarize(samples)
+    got = measures.summarize(samples)
     assert got["reward"] == 2.0 and got["reward_se"] == pytest.approx(1.0)  # s = sqrt(2)
     assert got["eos_fraction"] == 0.5 and got["copied_bigrams"] == 0.25
     assert got["distinct_2"] == pytest.approx(4 / 5)                          # (7,8) twice
     ref = [{"reward": 0.5}, {"reward": 0.25}]
-    rows = evaluate.per_post(samples, ("length", "eos", "text"), ref)
+    rows = measures.per_post(samples, ("length", "eos", "text"), ref)
     assert rows == [{"post": 0, "reward": 1.0, "ref_reward": 0.5, "length": 3, "eos": True,
                      "text": "a"},
                     {"post": 1, "reward": 3.0, "ref_reward": 0.25, "length": 4, "eos": False,
@@ -331,7 +331,7 @@ def test_summarize_and_per_post_rows():
 
 
 def test_the_table_prints_the_standard_error_and_the_gain(capsys):
-    import report
+    from support import report
     row = {"reward": 0.24, "reward_se": 0.18, "fluency": -41.5, "kl": 1.25, "length": 30.0,
            "eos_fraction": 0.75, "copied_bigrams": 0.5, "distinct_2": 0.8,
            "gain_over_ref": 0.32, "gain_over_ref_se": 0.23, "samples": [{}] * 32}
@@ -574,12 +574,12 @@ def test_the_sweeps_outside_table_means_seeds_and_skips_runs_without_the_measure
 
 
 def test_spearman_on_known_ranks():
-    assert evaluate.ranks([10, 30, 20, 20]) == [1, 4, 2.5, 2.5]
-    assert evaluate.spearman([0, 0.01, 0.1, 0.5, 2], [9, 7, 5, 3, 1]) == pytest.approx(-1)
-    assert evaluate.spearman([1, 2, 3], [1, 4, 9]) == pytest.approx(1)     # monotone, not linear
+    assert measures.ranks([10, 30, 20, 20]) == [1, 4, 2.5, 2.5]
+    assert measures.spearman([0, 0.01, 0.1, 0.5, 2], [9, 7, 5, 3, 1]) == pytest.approx(-1)
+    assert measures.spearman([1, 2, 3], [1, 4, 9]) == pytest.approx(1)     # monotone, not linear
     # x ranks 1,2,3,4, y ranks 2,1,4,3: rho = 1 - 6 * 4 / (4 * 15) = 0.6
-    assert evaluate.spearman([1, 2, 3, 4], [5, 1, 9, 7]) == pytest.approx(0.6)
-    assert math.isnan(evaluate.spearman([1, 1, 1], [1, 2, 3]))
+    assert measures.spearman([1, 2, 3, 4], [5, 1, 9, 7]) == pytest.approx(0.6)
+    assert math.isnan(measures.spearman([1, 1, 1], [1, 2, 3]))
 
 
 def test_sweep_summary_on_known_runs():
@@ -617,11 +617,11 @@ def test_fluency_per_token_is_each_runs_ratio_then_the_mean():
 
 
 def test_question_fraction_and_median_sample():
-    assert evaluate.question_fraction(["Why?", "ok.", "what now? \n", "?!"]) == 0.5
-    assert evaluate.question_fraction([]) == 0.0
+    assert measures.question_fraction(["Why?", "ok.", "what now? \n", "?!"]) == 0.5
+    assert measures.question_fraction([]) == 0.0
     samples = [{"reward": r, "text": t} for r, t in ((3, "c"), (1, "a"), (4, "d"), (2, "b"))]
-    assert evaluate.median_sample(samples)["text"] == "b"           # lower of the middle two
-    assert evaluate.median_sample(samples[:3])["text"] == "c"
+    assert measures.median_sample(samples)["text"] == "b"           # lower of the middle two
+    assert measures.median_sample(samples[:3])["text"] == "c"
 
 
 def test_sweep_samples_pools_seeds_and_names_the_median():
@@ -765,7 +765,7 @@ def test_each_sample_keeps_its_prompts_group(tiny_reward_model, tiny, tokenizer,
 
 def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_model, small_data,
                                                                 tmp_path):
-    out = run("compare_estimators.py", "--preset", "tiny", "--reward-model",
+    out = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
               str(tiny_reward_model), "--seeds", "0", "--settings", "rloo_4x2", "--out",
               str(tmp_path), "--data-dir", str(small_data), "--iterations", "1")
     assert "--estimator rloo --batch 4 --samples-per-prompt 2" in out
@@ -774,14 +774,13 @@ def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_mode
     assert "| rloo_4x2 | 1 |" in table and "| gae | 0 of 1 |" in table and "| (ref) |" in table
     assert len({line.count("|") for line in table.splitlines()}) == 1     # columns line up
     assert (tmp_path / "estimators.png").stat().st_size > 1000
-    again = run("compare_estimators.py", "--preset", "tiny", "--reward-model",
+    again = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
                 str(tiny_reward_model), "--seeds", "0", "--settings", "rloo_4x2", "--out",
                 str(tmp_path), "--data-dir", str(small_data), "--iterations", "1")
     assert "=== rloo_4x2: every run is over, nothing to run" in again
 
 
 def test_compare_estimators_table_means_over_seeds_and_the_shared_objective():
-    import compare_estimators
     run = {"gain_over_ref": 2.0, "length": 20.0, "eos_fraction": 1.0, "fluency": -50.0,
            "distinct_2": 0.8, "seconds": 600.0, "failed": None, "setting": "rloo_2x4"}
     runs = [{**run, "seed": 0, "reward": -0.5, "kl": 7.0},
@@ -796,7 +795,7 @@ def test_compare_estimators_table_means_over_seeds_and_the_shared_objective():
 
 
 def test_compare_estimators_times_each_setting(tiny_reward_model, small_data, tmp_path):
-    out = run("compare_estimators.py", "--preset", "tiny", "--reward-model",
+    out = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
               str(tiny_reward_model), "--time", "2", "--settings", "rloo_4x2", "reinforce",
               "--data-dir", str(small_data), "--out", str(tmp_path / "unused"))
     assert "tiny preset, beta 0.1, seed 0, 2 iterations each: mean seconds an iteration" in out
@@ -847,7 +846,7 @@ def test_the_ratio_is_exactly_one_on_cuda_in_bf16(estimator, tiny_reward_model, 
 def test_check_gpu_dry_run_and_its_one_line_without_a_gpu(tmp_path):
     """`bench_ppo.py --check-gpu --dry-run`: the three steps at toy sizes on the CPU, one
     table, the JSON; without --dry-run on a machine with no GPU, one line and status 1."""
-    out = run("bench_ppo.py", "--check-gpu", "--dry-run", "--out", str(tmp_path / "gc.json"),
+    out = run("-m", "tools.bench_ppo", "--check-gpu", "--dry-run", "--out", str(tmp_path / "gc.json"),
               timeout=900)
     report = json.loads((tmp_path / "gc.json").read_text())
     assert report["dry_run"] and report["tests"]["ok"] and report["kernels"]["ok"]
@@ -856,9 +855,9 @@ def test_check_gpu_dry_run_and_its_one_line_without_a_gpu(tmp_path):
     assert report["ppo"]["tiny fp32 torchrun"]["ok"]                   # parallel.py's path
     assert "3. PPO iterations" in out and "DRY RUN" in out
     if not torch.cuda.is_available():
-        result = subprocess.run([sys.executable, "bench_ppo.py", "--check-gpu"],
+        result = subprocess.run([sys.executable, "-m", "tools.bench_ppo", "--check-gpu"],
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 1
         assert result.stderr.strip().splitlines() == [
-            "bench_ppo.py: error: no GPU found (torch.cuda.is_available() is False); "
+            "tools.bench_ppo: error: no GPU found (torch.cuda.is_available() is False); "
             "--dry-run checks the command on the CPU"]

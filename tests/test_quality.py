@@ -7,7 +7,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from quality import (asks_for_help, ends_with_question, idf_weights, lcs_length,
+from support.quality import (asks_for_help, ends_with_question, idf_weights, lcs_length,
                      paired_difference, relevance_gap, retrieval_ranks, retrieval_summary,
                      rouge_l, samples_page, tfidf_vectors, words)
 

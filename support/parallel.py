@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import cli  # noqa: E402
+from support import cli  # noqa: E402
 
 # Rank 0 alone runs ppo.py's held-out evaluation while the others wait at their next
 # collective: more than the default 10 minutes (NCCL) on a slow machine.

@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-import cli
-import parallel
-from evaluate import median_sample, question_fraction, spearman, standard_error
+from support import cli
+from support import parallel
+from support.measures import median_sample, question_fraction, spearman, standard_error
 from gae import ended_with_eos
 from lora import AdapterMismatch, load_adapter, save_adapter
 
@@ -154,7 +154,8 @@ def differences(a, b, rel=1e-6, where=""):
         return [d for i, (x, y) in enumerate(zip(a, b))
                 for d in differences(x, y, rel, f"{where}[{i}]")]
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
-    if numbers and (math.isclose(a, b, rel_tol=rel, abs_tol=rel) or a == b):
+    if numbers and (math.isclose(a, b, rel_tol=rel, abs_tol=rel) or a == b
+                    or math.isnan(a) and math.isnan(b)):       # NaN: the same "no value"
         return []
     return [] if a == b else [f"{where or '.'}: {a!r} != {b!r}"]
 

@@ -1,8 +1,8 @@
 """`python ppo.py` against `torchrun --nproc_per_node N ppo.py`, back to back: seconds an
 iteration, from each run's results.json.
 
-    python bench_parallel.py                         # cpu preset, 6 iterations, 2 processes
-    python bench_parallel.py --nproc 2 -- --preset tiny --iterations 3 --reward-model DIR
+    python -m tools.bench_parallel                         # cpu preset, 6 iterations, 2 processes
+    python -m tools.bench_parallel --nproc 2 -- --preset tiny --iterations 3 --reward-model DIR
 
 The flags after `--` go to both runs (default: --preset cpu --iterations 6). Each run writes
 into a fresh temporary folder; the evaluation at the end is not timed. The table gives each
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent        # the repository root
 
 
 PHASES = ("generate", "score", "forward", "update")

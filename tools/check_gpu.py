@@ -1,4 +1,4 @@
-"""One command that checks a GPU: `python bench_ppo.py --check-gpu [--dry-run] [--out FILE]`.
+"""One command that checks a GPU: `python -m tools.bench_ppo --check-gpu [--dry-run] [--out FILE]`.
 
 On a CUDA machine it runs three steps, prints one table and writes it as JSON to --out
 (default runs/gpu_check.json):
@@ -23,9 +23,9 @@ and the wheels of pytest and Liger-Kernel (installed there only where missing) i
 runs/gpu_check/ on a machine that has SmolLM2: carry that folder to the GPU machine. The
 check needs neither `gguf` nor `datasets` nor the hub there.
 
-Run:  python bench_ppo.py --check-gpu --prepare       (here, once: the model folders)
-      python bench_ppo.py --check-gpu                 (on the GPU machine, ~10 min on an H200)
-      python bench_ppo.py --check-gpu --steps tests kernels     (some steps; the JSON is
+Run:  python -m tools.bench_ppo --check-gpu --prepare       (here, once: the model folders)
+      python -m tools.bench_ppo --check-gpu                 (on the GPU machine, ~10 min on an H200)
+      python -m tools.bench_ppo --check-gpu --steps tests kernels     (some steps; the JSON is
                                                       written after each, so a timeout keeps
                                                       what finished)
 Test: pytest tests/test_ppo.py -k check_gpu           (the --dry-run)
@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 
 import loaders
-from report import write_json
+from support.report import write_json
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent        # the repository root
 MODELS = {"smollm2": None, "vocab151936": 151936}        # folder name: vocabulary override
 PHASES = ("generate", "score", "forward", "update")
 # Pure-Python wheels that travel with the model folders, and the module each provides.
@@ -85,7 +85,7 @@ def filler_pool(tokenizer, n, prompt_tokens):
 def ppo_worker(model, preset, precision, iterations):
     """`iterations` of ppo.train with random weights; prints one RESULT line of JSON."""
     import lora
-    import parallel
+    from support import parallel
     import ppo
     import reward_model as rm
     parallel.setup()                            # under torchrun only
@@ -127,7 +127,7 @@ def step_kernels(dry_run):
     sizes = ["64x4097"] if dry_run else ["4864x49152", "4864x151936"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernels.json"
-        command = ["python", "kernels/bench.py", "--sizes", *sizes, "--rounds", "1",
+        command = ["python", "-m", "tools.bench_kernels", "--sizes", *sizes, "--rounds", "1",
                    "--json", str(path)] + (["--device", "cpu"] if dry_run else [])
         code, output = run(command, 1800)
         return ({"ok": True, "sizes": json.loads(path.read_text())} if code == 0
@@ -147,7 +147,7 @@ def step_ppo(dry_run, models_dir):
     iterations = 2 if dry_run else 3
     out = {}
     for label, model, preset, precision, launcher in variants:
-        command = launcher + ["check_gpu.py", "--ppo-worker", model or "", preset, precision,
+        command = launcher + ["-m", "tools.check_gpu", "--ppo-worker", model or "", preset, precision,
                               str(iterations)]
         code, output = run(command, 1800)
         line = [x for x in output.splitlines() if x.startswith("RESULT ")]
@@ -197,7 +197,7 @@ def main(dry_run=False, out="runs/gpu_check.json", models_dir="runs/gpu_check",
     if prepare_only:
         return prepare(models_dir)
     if not torch.cuda.is_available() and not dry_run:
-        sys.exit("bench_ppo.py: error: no GPU found (torch.cuda.is_available() is False); "
+        sys.exit("tools.bench_ppo: error: no GPU found (torch.cuda.is_available() is False); "
                  "--dry-run checks the command on the CPU")
     if not dry_run and not all((Path(models_dir) / name / "config.json").is_file()
                                for name in MODELS):

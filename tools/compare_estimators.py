@@ -17,11 +17,11 @@ they share), the gain over the reference, KL, length, the share of samples that 
 EOS, fluency, distinct-2 and the wall time of a run; and estimators.png, held-out reward
 against KL, one point per run (bars: SE over posts).
 
-Run:   python compare_estimators.py                   (cpu preset: 12 runs of 36 to 63 min
+Run:   python -m tools.compare_estimators                   (cpu preset: 12 runs of 36 to 63 min
                                                         here, on a shared 2-core machine)
-       python compare_estimators.py --preset tiny --reward-model runs/rm_tiny --seeds 0
+       python -m tools.compare_estimators --preset tiny --reward-model runs/rm_tiny --seeds 0
 Again: the same command resumes; finished runs are skipped. Any other flag goes to ppo.py.
-Time:  python compare_estimators.py --time 6          (each setting for 6 iterations, back to
+Time:  python -m tools.compare_estimators --time 6          (each setting for 6 iterations, back to
        back in temporary folders, on the first seed: seconds an iteration, per phase. The
        table's minutes come from whole runs, however the machine was shared while they ran;
        this is the like-for-like figure. Run it on an otherwise idle machine.)
@@ -35,9 +35,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_parallel import print_timings, timed_run
-from evaluate import standard_error
-from report import finished_row, read_results
+from tools.bench_parallel import print_timings, timed_run
+from support.measures import standard_error
+from support.report import finished_row, read_results
 
 SETTINGS = {          # name: ppo.py flags; each draws --batch x k = 8 responses an iteration
     "gae": ["--estimator", "gae", "--batch", "8"],
@@ -61,7 +61,7 @@ def run_setting(name, args):
                "--out", str(out), *SETTINGS[name], *args.ppo_flags,
                *(["--resume"] if started else [])]
     print(f"\n=== {name}: {' '.join(command[1:])}", flush=True)
-    return subprocess.run(command, cwd=Path(__file__).resolve().parent).returncode
+    return subprocess.run(command, cwd=Path(__file__).resolve().parent.parent).returncode
 
 
 def time_settings(args):

@@ -1,36 +1,31 @@
 """The held-out evaluation of a PPO run: samples on posts no run trains on, scored.
 
-Kept apart from ppo.py, whose loop reads like the post, and from evaluate.py, whose
-statistics are pure functions. Per sweep, once:
+Kept apart from ppo.py, whose loop reads like the post, and from measures.py, whose
+statistics are pure functions. ppo.py's `rollouts` (the post's last lines of `train`:
+generate, score, fluency) draws the samples and is passed in; nothing here imports ppo.py.
+Per sweep, once:
     reference_and_human   the floor and the ceiling: the untrained model's samples and the
                           human TL;DRs, scored by the reward model (kept in baseline.json,
                           which a resumed sweep reads back)
 Per run:
-    rollouts              sample on the held-out posts; per sample its reward, fluency, KL,
-                          length, EOS and copied bigrams
     evaluate_run          the trained policy's rollouts against the reference, paired by
                           post: the final entry of results.json, curves.png, samples.html
                           and the table
     outside_measures      per summary, what the judge never saw (quality.py): ROUGE-L
                           against the human TL;DR, the rank of its own post when the
                           summary alone retrieves it, and the judge's relevance gap
-
-It uses ppo.py's `generate`, `score` and `fluency`, so ppo.py imports it inside `main`.
 Test: pytest tests/test_ppo.py -k "end_to_end or sweep"
 """
 
 import torch
-from tqdm import tqdm
 
 import loaders
-import ppo
 import reward_model as rm
-from evaluate import copied_bigrams, paired_gain, per_post, standard_error, summarize
-from quality import (asks_for_help, ends_with_question, paired_difference, retrieval_ranks,
-                     rouge_l, samples_page)
-from gae import ended_with_eos, response_mask
-from report import (load_baseline, plot_curves, print_gain, print_row, print_row_header,
-                    print_samples, write_json)
+from support.measures import paired_gain, per_post, standard_error, summarize
+from support.quality import (asks_for_help, ends_with_question, paired_difference,
+                             retrieval_ranks, rouge_l, samples_page)
+from support.report import (load_baseline, plot_curves, print_gain, print_row,
+                            print_row_header, print_samples, write_json)
 
 # The settings that decide the reference's held-out samples and the human rows: a resumed
 # sweep reuses its stored ones only when these agree (and when they carry MEASURES).
@@ -39,40 +34,6 @@ OUTSIDE = ("rouge_l", "retrieval_rank", "relevance_gap", "question", "asks_help"
 BASELINE_KEY = ("model", "reward_model", "reward", "data_dir", "preset", "prompt_tokens",
                 "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts", "batch",
                 "samples_per_prompt", "precision")
-
-
-@torch.no_grad()
-def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
-    """Sample on `posts` in batches; per sample (in the order of `posts`): reward (the
-    --reward score), fluency, KL, length, eos, copied_bigrams, ids and text (evaluate.py)."""
-    # In chunks of one iteration's responses: the same for every setting of
-    # compare_estimators.py (8), so they share the reference's samples.
-    eos, out, step = tokenizer.eos_token_id, [], cfg.batch * cfg.samples_per_prompt
-    for i in tqdm(range(0, len(posts), step), desc="held-out samples", unit="batch",
-                  leave=False):
-        chunk = posts[i:i + step]
-        prompt_ids, prompt_mask = loaders.encode(tokenizer, [p["prompt"] for p in chunk], device)
-        with loaders.precision(cfg, device):
-            sequences, actions = ppo.generate(model, prompt_ids, prompt_mask, cfg, eos)
-            mask = response_mask(actions, eos)
-            attention = ppo.full_mask(prompt_mask, actions)
-            scores = ppo.score(reward, prompt_ids, prompt_mask, actions, mask, None, eos,
-                               part=cfg.reward)                                      # (b,)
-            flu = ppo.fluency(reference, sequences, attention, actions, mask,
-                              cfg.temperature)                                       # (b,)
-            # KL of a summary: sum_t logp - logp_ref = (its log-prob under `model`) - fluency
-            own = flu if model is reference else ppo.fluency(
-                model, sequences, attention, actions, mask, cfg.temperature)         # (b,)
-        m, ended = mask.bool(), ended_with_eos(actions, mask, eos)                    # (b, T), (b,)
-        for b in range(len(chunk)):
-            ids = actions[b][m[b]].tolist()
-            words = ids[:-1] if ended[b] else ids               # the summary without its EOS
-            post = prompt_ids[b][prompt_mask[b].bool()].tolist()   # its prompt, no padding
-            out.append({"reward": scores[b].item(), "fluency": flu[b].item(),
-                        "kl": (own[b] - flu[b]).item(), "length": len(ids), "ids": ids,
-                        "eos": bool(ended[b]), "copied_bigrams": copied_bigrams(words, post),
-                        "text": tokenizer.decode(ids, skip_special_tokens=True)})
-    return out
 
 
 def outside_measures(samples, held_out, reward, tokenizer, human=False):
@@ -118,7 +79,7 @@ def outside_summary(samples, ref_samples=None):
     return out
 
 
-def reference_and_human(cfg, models, held_out, folder):
+def reference_and_human(cfg, models, held_out, folder, rollouts):
     """The floor and the ceiling on the held-out posts: the untrained model's samples and
     people's TL;DRs, scored. Once per sweep: `folder`/baseline.json keeps them, and a
     resumed sweep reads them back when the settings that made them (BASELINE_KEY) agree."""
@@ -152,7 +113,7 @@ def reference_and_human(cfg, models, held_out, folder):
             "ref_samples": ref_samples}
 
 
-def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir):
+def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir, rollouts):
     """The trained policy on the held-out posts, against the reference and people: the
     final entry of results.json, curves.png, the post's table rows and a few samples."""
     reference, reward, tokenizer, device = models

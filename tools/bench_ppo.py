@@ -20,9 +20,9 @@ bfloat16 autocast, log-probs and losses in fp32; the blog preset's default where
 matmuls are native), so that the precision's share of the gain shows; --skip-bf16 leaves
 them out. The ratios in the table are all against the fp32 post.
 
-Run:  python bench_ppo.py                  (about 12 minutes on a 2-core CPU)
-      python bench_ppo.py --iterations 3 --micro-batch 4
-      python bench_ppo.py --check-gpu [--dry-run]   (one command that checks a GPU: check_gpu.py)
+Run:  python -m tools.bench_ppo                  (about 12 minutes on a 2-core CPU)
+      python -m tools.bench_ppo --iterations 3 --micro-batch 4
+      python -m tools.bench_ppo --check-gpu [--dry-run]   (one command that checks a GPU: check_gpu.py)
 """
 
 import argparse
@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 
 import loaders
+
+ROOT = Path(__file__).resolve().parent.parent        # the repository root
 
 PHASES = ("generate", "score", "forward", "update")
 
@@ -110,7 +112,7 @@ def main():
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.check_gpu:
-        import check_gpu
+        from tools import check_gpu
         sys.exit(check_gpu.main(args.dry_run, args.out, prepare_only=args.prepare,
                                 steps=args.steps))
     if args.worker:
@@ -124,10 +126,10 @@ def main():
                      ("post-bf16", "post", 16, "bf16")]
     for name, variant, micro, precision in variants:
         started = time.time()
-        out = subprocess.run([sys.executable, __file__, "--worker", variant, "--iterations",
-                              str(args.iterations), "--micro-batch", str(micro),
+        out = subprocess.run([sys.executable, "-m", "tools.bench_ppo", "--worker", variant,
+                              "--iterations", str(args.iterations), "--micro-batch", str(micro),
                               "--reward-model", args.reward_model, "--precision", precision],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, cwd=ROOT)
         line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
         if out.returncode or not line:
             sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
