@@ -1,80 +1,62 @@
 """RLHF with PPO: four models, per-token KL shaping, GAE, clipped updates.
 
-This is the post "RLHF with PPO from Scratch: Four Models, GAE and LoRA", section by
-section, with its names: `generate`, `token_log_probs`, `score`, `fluency`,
-`ValueHead`, `policy_forward`, `shaped_rewards`, `advantages_and_returns` (from
-gae.py), `ppo_losses`, `train`. Equations (1)-(14) are numbered as in the post,
-above the lines that compute them.
+The post "RLHF with PPO from Scratch: Four Models, GAE and LoRA", top to bottom: its
+hyperparameters, then its functions in its order (`generate`, `token_log_probs`, `score`,
+`fluency`, `ValueHead`, `policy_forward`, `shaped_rewards` and `advantages_and_returns`
+from gae.py, `ppo_losses`, `train`), with equations (1)-(14) numbered as in the post above
+the lines that compute them. What the post does not have (resume, timers, torchrun,
+reports) is one call away in support/; `# ---- plumbing` marks where the loop calls it.
 
-The four models:
     reference  SmolLM2-135M-Instruct, frozen                      (loaders.py)
     policy     the reference's weights + a LoRA adapter           (lora.py)
     reward     the Bradley-Terry model fitted by reward_model.py  (reward_model.py)
     value      a linear head on the policy's last hidden state    (ValueHead, below)
 
-Legend (one name per symbol, used everywhere):
-    logp      log pi_theta(a_t | s_t)    the policy being updated
-    logp_old  log pi_old(a_t | s_t)      the policy that sampled the batch
-    logp_ref  log pi_ref(a_t | s_t)      the frozen reference
-    values    V(s_t);  adv  A_t;  ret  R_t;  mask  1 up to and including the first EOS
-    P, T      prompt length (left-padded), response length; B the batch
+Legend: logp = log pi_theta(a_t|s_t), the policy being updated; logp_old, the policy that
+sampled the batch; logp_ref, the frozen reference; values V(s_t); adv A_t; ret R_t; mask 1
+up to and including the first EOS; P, T prompt (left-padded) and response lengths; B the
+batch.
 
 Departures from the post, each repeated at its line:
-    1. Masks. A response ends at its first EOS; positions after it get no reward, no
-       KL, no advantage and no loss. The score lands on that EOS (or on the last
-       token when the response hit the length limit), not on the last column.
-    2. Our reward model shares the policy's tokenizer, so it scores the sampled ids
-       directly (the post decodes and re-encodes for its DeBERTa scorer).
-    3. Logits only for response positions, through a fused log-prob that never holds
-       (rows x V) log-probs (kernels/), in fp32; logits are divided by the
-       temperature in every log-prob (a no-op at the post's 1.0).
-    4. Each iteration draws a fresh batch of training prompts (the post reuses the
-       same 16), and the final evaluation uses held-out prompts. Posts longer than
-       PROMPT_TOKENS are cut at a paragraph or sentence boundary instead of dropped.
-       The evaluation reports each mean reward with its standard error and the gain
-       over the reference paired by post, with the EOS fraction and the bigrams copied
-       from the post (evaluate.py); the post reports the mean alone.
-    5. The value loss and the entropy average over real tokens only; the value head
-       starts from the post's default init (not from the reward model).
-    6. Optional extras, all off by default as in the post's run: an adaptive beta
-       (Ziegler et al.), the k3 KL estimator, a missing-EOS penalty, the entropy
-       bonus (12) and the ptx loss (13).
-    7. Speed and memory, same algorithm: the old, reference and inner-step passes run
-       in micro-batches of similar prompt lengths, each cut to its own padding
-       (`loaders.micro_batches`: same gradient, less memory, less work). `--precision
-       bf16` runs the transformer bodies under bfloat16 autocast (the post: fp32);
-       log-probs, values and losses stay fp32, and the ratio is still exactly 1 at the
-       first inner step.
-    8. The reward is the reward model's content score f, with its learned length term
-       w g(length) left out (reward_model.py): a run that maximised the whole score ran
-       every sample to the 48-token limit. `--reward full` maximises f + w g(length).
-    9. Other estimators, off by default (the PPO/RLOO note, gae.py): `--estimator rloo`,
-       `reinforce` or `grpo` treat a response as one action with reward
-       R = score - beta sum_t KL_t and take its baseline from other samples
-       (`--samples-per-prompt k`), not from a value head (there is none). A_i is spread
-       over the response's real tokens, not whitened, and fed to the same clipped loss
-       (8)-(10). For PPO itself, `--value-clip`, `--value-init` and `--whiten-rewards` add
-       the note's value-loss clipping, value head from the reward model, reward whitening.
+    1. Masks: a response ends at its first EOS; nothing after it gets reward, KL, advantage
+       or loss, and the score lands on that EOS (or the last token at the length limit).
+    2. The reward model shares the policy's tokenizer and scores the sampled ids (the post
+       decodes and re-encodes for its DeBERTa scorer).
+    3. Logits only at response positions, through a fused fp32 log-prob (kernels/) that
+       never holds (rows x V) log-probs; every log-prob divides by the temperature.
+    4. Each iteration draws fresh prompts (the post reuses 16), long posts are cut at a
+       paragraph or sentence, and the evaluation is on held-out posts, with standard errors
+       and the gain over the reference paired by post (support/heldout.py).
+    5. The value loss and entropy average over real tokens; the value head starts from the
+       post's default init.
+    6. Extras, off by default as in the post: adaptive beta (Ziegler et al.), the k3 KL
+       estimator, a missing-EOS penalty, the entropy bonus (12), the ptx loss (13).
+    7. Speed and memory, same algorithm: micro-batches of similar prompt lengths, each cut to
+       its own padding (same gradient); `--precision bf16` runs the bodies under autocast
+       while log-probs, values and losses stay fp32 (the ratio is still exactly 1).
+    8. The reward is the reward model's content score f, without its length term
+       (reward_model.py); `--reward full` maximises f + w g(length).
+    9. `--estimator rloo | reinforce | grpo` (the PPO/RLOO note, gae.py): the response as one
+       action, R = score - beta sum_t KL_t, its baseline from other samples, no value head;
+       A_i is spread over the response's tokens into the same clipped loss (8)-(10).
 
-Papers: PPO, Schulman et al. 2017, arXiv:1707.06347 (sec. 3, 5); GAE, Schulman et
-al. 2015, arXiv:1506.02438; Ziegler et al. 2019, arXiv:1909.08593 (sec. 2.2, the
-KL reward and adaptive beta); Stiennon et al. 2020, arXiv:2009.01325 (TL;DR);
-InstructGPT, Ouyang et al. 2022, arXiv:2203.02155 (eq. 2, the ptx term).
+Papers: PPO, Schulman et al. 2017, arXiv:1707.06347 (sec. 3, 5); GAE, Schulman et al. 2015,
+arXiv:1506.02438; Ziegler et al. 2019, arXiv:1909.08593 (sec. 2.2, KL reward, adaptive beta);
+Stiennon et al. 2020, arXiv:2009.01325 (TL;DR); Ouyang et al. 2022, arXiv:2203.02155 (eq. 2,
+ptx); Ahmadian et al. 2024, arXiv:2402.14740 (RLOO).
 
 Run:   python reward_model.py && python ppo.py --beta 0
 Sweep: python ppo.py --beta 0 0.01 0.1 0.5 2.0 --seeds 0 1 2      (--resume continues it)
 RLOO:  python ppo.py --estimator rloo --samples-per-prompt 4 --beta 0.1
-DDP:   torchrun --standalone --nproc_per_node N ppo.py --beta 0.1      (parallel.py)
+DDP:   torchrun --standalone --nproc_per_node N ppo.py --beta 0.1      (support/parallel.py)
 Test:  pytest tests/test_ppo.py
 """
 
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,44 +70,61 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from support import cli  # noqa: E402
 import kernels  # noqa: E402
 import loaders  # noqa: E402
 import reward_model as rm  # noqa: E402
+from gae import (ESTIMATORS, GAMMA, LAM, AdaptiveKLController,  # noqa: E402
+                 advantages_and_returns, ended_with_eos, kl_per_token, per_token,
+                 response_mask, sequence_advantages, sequence_rewards, shaped_rewards, whiten)
+from loaders import encode, micro_batches  # noqa: E402
+from lora import with_lora  # noqa: E402
+from support import cli  # noqa: E402
 from support.config import option, read_config  # noqa: E402
 from support.heldout import evaluate_run, reference_and_human  # noqa: E402
 from support.measures import copied_bigrams  # noqa: E402
-from support.report import (check_run_folders, checkpoint_iteration, finished_row,  # noqa: E402
-                            git_commit, has_checkpoint, iteration_row, load_checkpoint,
-                            peak_memory_gb, record_failure, report_sweep, save_checkpoint,
-                            write_json)
-from gae import (ESTIMATORS, AdaptiveKLController, advantages_and_returns, ended_with_eos,
-                 kl_per_token, per_token, response_mask, sequence_advantages,
-                 sequence_rewards, shaped_rewards, whiten)
-from loaders import encode, micro_batches
-from lora import with_lora
+from support.report import (Laps, NonFiniteError, check_finite,  # noqa: E402
+                            check_run_folders, checkpoint_iteration, finished_row,
+                            has_checkpoint, iteration_row, record_failure, record_iteration,
+                            report_sweep, save_checkpoint, start_results, write_json)
 
 
-# ----------------------------------------------------------------------------- config
+# ======================================================== the post's hyperparameters
+MAX_NEW_TOKENS = 48     # tokens sampled per summary
+TEMPERATURE = 1.0       # sampling temperature (every log-prob divides by it: departure 3)
+TOP_K = 50              # top-k sampling
+TOP_P = 0.95            # nucleus sampling
+PROMPT_TOKENS = 256     # posts longer than this are cut (the post drops them: departure 4)
+BATCH = 16              # prompts per iteration
+CLIP = 0.2              # epsilon of the clipped ratio (9)
+INNER_STEPS = 2         # clipped updates on each batch
+LR = 1e-4               # the LoRA adapter's learning rate
+VALUE_LR = 1e-4         # the value head's learning rate
+# GAMMA = 0.99 (discount) and LAM = 0.95 (GAE lambda) of (5)-(6) live with the GAE, gae.py
+ITERATIONS = 100        # PPO iterations per run
+# The post's LORA_R = 16 and LORA_ALPHA = 32 live with the adapter, lora.py.
+
 
 @dataclass
 class Config:
-    preset: str = option("auto", "blog (CUDA/MPS default), cpu (CPU default) or tiny (tests)")
-    beta: list = option((0.1,), "KL coefficient(s); several run a sweep")
-    seeds: list = option((0,), "seed(s); every (beta, seed) pair is one run")
-    iterations: int = option(100, "PPO iterations per run (the post: 100)")
-    batch: int = option(16, "prompts per iteration, BATCH (the post: 16)")
-    prompt_tokens: int = option(256, "PROMPT_TOKENS, longer posts are cut (the post: 256)")
-    max_new_tokens: int = option(48, "MAX_NEW_TOKENS (the post: 48)")
-    temperature: float = option(1.0, "sampling temperature (the post: 1.0)")
-    top_k: int = option(50, "top-k sampling (the post: 50)")
-    top_p: float = option(0.95, "nucleus sampling (the post: 0.95)")
-    inner_steps: int = option(2, "clipped updates per batch, INNER_STEPS (the post: 2)")
-    lr: float = option(1e-4, "adapter learning rate, LR (the post: 1e-4)")
-    value_lr: float = option(1e-4, "value head learning rate, VALUE_LR (the post: 1e-4)")
-    clip: float = option(0.2, "PPO clip epsilon, CLIP (the post: 0.2)")
-    gamma: float = option(0.99, "discount gamma (the post: 0.99)")
-    lam: float = option(0.95, "GAE lambda (the post: 0.95)")
+    """Every setting of a run: the post's hyperparameters first, then the extras, then how
+    the run is organised. Each is a flag (support/config.py); presets below."""
+    # ---- the post's hyperparameters
+    beta: tuple = option((0.1,), "KL coefficient(s) of (3); several run a sweep")
+    iterations: int = option(ITERATIONS, "PPO iterations per run (the post: 100)")
+    batch: int = option(BATCH, "prompts per iteration, BATCH (the post: 16)")
+    prompt_tokens: int = option(PROMPT_TOKENS, "PROMPT_TOKENS, longer posts are cut (the "
+                                               "post: 256)")
+    max_new_tokens: int = option(MAX_NEW_TOKENS, "MAX_NEW_TOKENS (the post: 48)")
+    temperature: float = option(TEMPERATURE, "sampling temperature (the post: 1.0)")
+    top_k: int = option(TOP_K, "top-k sampling (the post: 50)")
+    top_p: float = option(TOP_P, "nucleus sampling (the post: 0.95)")
+    inner_steps: int = option(INNER_STEPS, "clipped updates per batch, INNER_STEPS (the post: 2)")
+    lr: float = option(LR, "adapter learning rate, LR (the post: 1e-4)")
+    value_lr: float = option(VALUE_LR, "value head learning rate, VALUE_LR (the post: 1e-4)")
+    clip: float = option(CLIP, "PPO clip epsilon, CLIP (the post: 0.2)")
+    gamma: float = option(GAMMA, "discount gamma (the post: 0.99)")
+    lam: float = option(LAM, "GAE lambda (the post: 0.95)")
+    # ---- the loss's other terms (14), 0 as in the post, and the departures' extras
     vf_coef: float = option(1.0, "c_v in (14) (the post: 1)")
     ent_coef: float = option(0.0, "c_ent in (14), the entropy bonus (12) (the post: 0)")
     ptx_coef: float = option(0.0, "c_ptx in (14), LM loss (13) on human TL;DRs (the post: 0)")
@@ -133,6 +132,8 @@ class Config:
                                   "Ziegler et al.'s controller; --beta is the start")
     kl_estimator: str = option("k1", "per-token KL estimate for the penalty: k1 (the post) or k3")
     missing_eos_penalty: float = option(None, "if set, the score of a response with no EOS")
+    reward: str = option(rm.DEFAULT_PART, "the score PPO maximises: content, f with length "
+                         "partialled out (departure 8), or full, f + w*g(length)")
     estimator: str = option("gae", "the advantage: gae (the post's, with a value head), or "
                             "rloo, reinforce, grpo (the PPO/RLOO note; departure 9)")
     samples_per_prompt: int = option(1, "k, responses sampled per prompt: a batch holds "
@@ -146,8 +147,9 @@ class Config:
                                      "zero, or reward (the reward model's head, as Stiennon)")
     whiten_rewards: bool = option(False, "gae: scale the shaped rewards to unit variance "
                                          "before GAE (Stiennon et al.)")
-    reward: str = option(rm.DEFAULT_PART, "the score PPO maximises: content, f with length "
-                         "partialled out (departure 8), or full, f + w*g(length)")
+    # ---- the run: seeds, speed, evaluation, files
+    preset: str = option("auto", "blog (CUDA/MPS default), cpu (CPU default) or tiny (tests)")
+    seeds: tuple = option((0,), "seed(s); every (beta, seed) pair is one run")
     micro_batch: int = option(16, "sequences per forward (and backward) in the old, reference "
                                 "and inner-step passes; same gradient, less memory")
     precision: str = option("fp32", "fp32 (the post), bf16 (the bodies under autocast, "
@@ -159,12 +161,32 @@ class Config:
     resume: bool = option(False, "continue the run in --out from its last checkpoint")
     force: bool = option(False, "with --resume: continue although the checkpoint's settings "
                                 "differ; without: start over in an --out that holds a run")
-    model: str = loaders.POLICY_NAME                # --model and --data-dir come from loaders
+    model: str = loaders.POLICY_NAME                # --model and --data-dir: loaders.py
     data_dir: str = None
 
 
-# Flags with a fixed set of values, and every numeric flag's range (cli.py): both are
-# checked right after parsing, before anything loads; a bad value exits with one line.
+PRESETS = {
+    # The post's hyperparameters, for a GPU or Apple silicon. Micro-batches of 4 give the same
+    # gradient as the full batch with a third of the post's peak memory (tools/bench_ppo.py).
+    # bf16 bodies where the hardware has native bf16 matmuls (0.37x the post's fp32 time on
+    # a 2-core CPU with AVX512-BF16, against 0.75x in fp32: tools/bench_ppo.py); fp32 elsewhere.
+    "blog": dict(iterations=100, batch=16, prompt_tokens=256, micro_batch=4, eval_prompts=64,
+                 precision="auto"),
+    # Same algorithm on a 2-core CPU in <= 20 minutes: shorter prompts, fewer iterations,
+    # micro-batches of 4 to keep memory down.
+    # At the post's LR of 1e-4, 36 iterations left the policy where it started (held-out KL
+    # to the reference -0.04 nats, clipfrac 0): a 5x larger step makes up for running about
+    # a third of the post's 100 iterations on half its batch.
+    # 64 held-out posts: at 32, a gain of +0.32 (paired SD over posts ~1.3) was 1.4 SE; at
+    # 64 the same gain would be 2 SE.
+    "cpu": dict(iterations=36, batch=8, prompt_tokens=128, micro_batch=4, eval_prompts=64,
+                lr=5e-4, value_lr=5e-4, checkpoint_every=6),   # 21-45 s an iteration (README)
+    # Seconds, for tests: the tiny random model (loaders.tiny_model) and a tiny reward model.
+    "tiny": dict(iterations=3, batch=4, prompt_tokens=64, max_new_tokens=8, micro_batch=2,
+                 eval_prompts=4, checkpoint_every=2),
+}
+# Flags with a fixed set of values, and every numeric flag's range (support/cli.py): both
+# are checked right after parsing, before anything loads; a bad value exits with one line.
 CHOICES = {"preset": ("auto", "blog", "cpu", "tiny"), "reward": rm.PARTS,
            "kl_estimator": ("k1", "k3"), "precision": ("fp32", "bf16", "auto"),
            "estimator": ESTIMATORS, "value_init": ("post", "zero", "reward")}
@@ -183,43 +205,12 @@ RANGES = {
     "eval_prompts": cli.Range(1, loaders.EVAL_RESERVE), "checkpoint_every": cli.COUNT,
     "samples_per_prompt": cli.COUNT, "reinforce_decay": cli.UNIT, "value_clip": cli.POSITIVE,
 }
-# What --resume may change; any other setting that differs from the checkpoint's is an error
-# (unless --force): a run continued with another beta or seed is no run at all.
-RESUME_MAY_CHANGE = ("iterations", "checkpoint_every", "eval_prompts", "micro_batch", "out",
-                     "resume", "force", "seeds")
-# The settings printed when a run starts
-SHOWN = ("estimator", "iterations", "batch", "samples_per_prompt", "prompt_tokens",
-         "max_new_tokens", "inner_steps", "lr", "value_lr", "clip", "gamma", "lam", "micro_batch",
-         "precision", "eval_prompts", "kl_estimator", "target_kl", "reward")
-
-PRESETS = {
-    # The post's hyperparameters, for a GPU or Apple silicon. Micro-batches of 4 give the same
-    # gradient as the full batch with a third of the post's peak memory (bench_ppo.py).
-    # bf16 bodies where the hardware has native bf16 matmuls (0.37x the post's fp32 time on
-    # this 2-core CPU, against 0.75x in fp32: bench_ppo.py); fp32 elsewhere.
-    "blog": dict(iterations=100, batch=16, prompt_tokens=256, micro_batch=4, eval_prompts=64,
-                 precision="auto"),
-    # Same algorithm on a 2-core CPU in <= 20 minutes: shorter prompts, fewer iterations,
-    # micro-batches of 4 to keep memory down.
-    # At the post's LR of 1e-4, 36 iterations left the policy where it started (held-out KL
-    # to the reference -0.04 nats, clipfrac 0): a 5x larger step makes up for running about
-    # a third of the post's 100 iterations on half its batch.
-    # 64 held-out posts: at 32, a gain of +0.32 (paired SD over posts ~1.3) was 1.4 SE; at
-    # 64 the same gain would be 2 SE.
-    "cpu": dict(iterations=36, batch=8, prompt_tokens=128, micro_batch=4, eval_prompts=64,
-                lr=5e-4, value_lr=5e-4, checkpoint_every=6),   # 21-45 s an iteration (README)
-    # Seconds, for tests: the tiny random model (loaders.tiny_model) and a tiny reward model.
-    "tiny": dict(iterations=3, batch=4, prompt_tokens=64, max_new_tokens=8, micro_batch=2,
-                 eval_prompts=4, checkpoint_every=2),
-}
-
 
 def parse_args(argv=None):
     """Config from the command line: defaults, then the preset, then explicit flags. Then
     every value is checked (CHOICES, RANGES, --out, --data-dir, --model): a bad one exits
     with status 2 and one line, before anything loads."""
-    cfg, parser = read_config(Config, PRESETS, RANGES, CHOICES, argv,
-                               __doc__.splitlines()[0])
+    cfg, parser = read_config(Config, PRESETS, RANGES, CHOICES, argv, __doc__.splitlines()[0])
     for beta, seed in runs(cfg):
         if problem := cli.out_problem(run_dir_for(cfg, beta, seed)):
             parser.error(problem)
@@ -243,7 +234,8 @@ def parse_args(argv=None):
     return cfg
 
 
-# ------------------------------------------------------------- generating and scoring
+# ============================================ ALGO LOGIC: the post's functions, in its order
+# ---------------------------------------------------- generating and scoring (1)-(2)
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, cfg, eos_id):
@@ -323,7 +315,19 @@ def fluency(reference, sequences, attention_mask, actions, mask, temperature=1.0
     return torch.where(mask.bool(), logp_ref, 0.0).sum(-1)
 
 
-# ------------------------------------------------------------- the policy and values
+
+# ------------------------------------------------------------ the policy and values
+
+class ValueHead(nn.Module):
+    """The fourth model. One scalar per state: what this position is worth."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.project = nn.Linear(width, 1)
+
+    def forward(self, hidden):
+        return self.project(hidden).squeeze(-1)                 # (B, T, H) -> (B, T)
+
 
 def init_value_head(value_head, how, reward):
     """The value head's start (--value-init): `post` leaves nn.Linear's default init (the
@@ -341,15 +345,17 @@ def init_value_head(value_head, how, reward):
     return value_head
 
 
-class ValueHead(nn.Module):
-    """The fourth model. One scalar per state: what this position is worth."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.project = nn.Linear(width, 1)
-
-    def forward(self, hidden):
-        return self.project(hidden).squeeze(-1)                 # (B, T, H) -> (B, T)
+def policy_and_value(reference, reward, cfg, device):
+    """The second and fourth models: the policy, the reference plus a fresh LoRA adapter (a
+    no-op until trained), and the value head (none with --estimator rloo, reinforce, grpo:
+    departure 9). The post deep-copies the reference; sharing its frozen tensors gives the
+    same model without a second copy of the weights (only the adapter trains)."""
+    policy = with_lora(copy.deepcopy(reference, memo={id(p): p for p in reference.parameters()}))
+    policy.eval()                               # dropout off in every pass, training ones too
+    if cfg.estimator != "gae":
+        return policy, None
+    return policy, init_value_head(ValueHead(reference.config.hidden_size).to(device),
+                                   cfg.value_init, reward)
 
 
 def policy_forward(policy, value_head, sequences, attention_mask, actions, temperature=1.0,
@@ -388,13 +394,15 @@ def old_and_reference(policy, value_head, reference, sequences, attention, actio
     return logp_old, values, logp_ref
 
 
-# ---------------------------------------------------------------------------- losses
 
-def ppo_losses(logp, logp_old, adv, values, ret, mask, clip, entropy=None, n_seq=None,
-               n_tok=None, values_old=None, value_clip=None):
+# ---------------------------------------------- losses (8)-(14) and the ratio probe
+
+def ppo_losses(logp, logp_old, adv, values, ret, *, mask, clip=CLIP, entropy=None,
+               n_seq=None, n_tok=None, values_old=None, value_clip=None):
     """Eq. (8)-(12) for one (micro-)batch: the clipped policy loss, the value loss, and
     the entropy term, each a scalar, plus the clip statistics.
 
+    The post's five arguments (its new, old, advantage, predicted, target), then keywords:
     in:  logp, logp_old, adv, values, ret, mask, entropy: (b, T); n_seq and n_tok, the
          sequences and real tokens of the whole batch, so that the micro-batches of one
          batch add up to exactly the full-batch losses (defaults: this batch's own).
@@ -444,10 +452,14 @@ def ptx_loss(policy, tokenizer, posts, device, temperature=1.0):
     return -torch.where(mask.bool(), logp, 0.0).sum(-1).mean()
 
 
-# ------------------------------------------------------------------------- the checks
-
 class RatioError(RuntimeError):
     """The ratio is not 1 before the first step: old and new log-probs disagree."""
+
+
+def ratio_line(iteration, lo, hi, clip):
+    """The probe's line in the log: the ratio's range at the first inner step."""
+    return (f"iteration {iteration}: ratio at the first inner step {lo:.4f} to {hi:.4f} "
+            f"(clip range {1 - clip:.1f} to {1 + clip:.1f})")
 
 
 def check_ratio(ratio, tolerance=1e-5):
@@ -470,165 +482,34 @@ def check_ratio(ratio, tolerance=1e-5):
     return lo, hi
 
 
-class NonFiniteError(cli.UserError):
-    """A score, reward, advantage or loss became NaN or inf: the run stops there."""
+
+# -------------------------------------------------------------------------- the loop
+
+def one_action_advantages(cfg, scores, kl, mask, beta, prompt_of, baseline):
+    """Departure 9 (--estimator rloo, reinforce, grpo): the response as one action, its
+    baseline from other samples, not from a value head. scores (B,), kl and mask (B, T),
+    prompt_of (B,) each response's post over the whole batch (every rank's, under torchrun).
+    Returns A_i on each real token (B, T) and the next REINFORCE baseline."""
+    # R(x, y) = r_phi(x, y) - beta sum_t D_KL^(t)
+    R = sequence_rewards(scores, kl, mask, beta)                                  # (B,)
+    # A_i = R_i - b_i; b_i the mean of the prompt's other samples (rloo), a moving average
+    # (reinforce), the group mean, A_i then / group std (grpo)
+    adv, baseline = sequence_advantages(cfg.estimator, parallel.gather(R), prompt_of,
+                                        baseline, cfg.reinforce_decay, cfg.grpo_unbiased)
+    # A_i on each real token, not whitened; GRPO averages a response's tokens (1/|y_i|)
+    adv = per_token(parallel.mine(adv), mask, length_normalise=cfg.estimator == "grpo"
+                    and not cfg.grpo_unbiased)                                    # (B, T)
+    return adv, baseline
 
 
-def check_finite(iteration, **named):
-    """Stop at the first of the `named` tensors that holds a NaN or an inf.
-
-    Called before the backward pass and the optimizer step, and before the iteration's
-    results row and checkpoint are written: the last checkpoint is the last good state.
-    Under torchrun it counts every rank's values, so every rank stops, or none.
-    """
-    for name, x in named.items():
-        bad = parallel.total(int((~torch.isfinite(x)).sum()))     # every rank's: all stop
-        if bad:
-            raise NonFiniteError(f"iteration {iteration}: the {name} is NaN or inf in "
-                                 f"{bad} of {parallel.total(x.numel())} values; stopped "
-                                 "there, and the last checkpoint (if any) is intact")
-
-
-# ------------------------------------------------------------------------- the loop
-
-def train(cfg, beta, seed, models, pool, run_dir, progress=True):
-    """One PPO run. Writes results.json every iteration and checkpoints; returns the policy."""
-    reference, reward, tokenizer, device = models
-    eos = tokenizer.eos_token_id
-    torch.manual_seed(seed)                     # the same adapter and value head on every rank
-    # The post deep-copies the reference; sharing its frozen tensors gives the same model
-    # without a second copy of the weights (both are frozen, only the adapter trains).
-    policy = with_lora(copy.deepcopy(reference, memo={id(p): p for p in reference.parameters()}))
-    policy.eval()                               # dropout off in every pass, training ones too
-    value_head = None                           # rloo, reinforce, grpo: other samples instead
-    if cfg.estimator == "gae":
-        value_head = init_value_head(ValueHead(reference.config.hidden_size).to(device),
-                                     cfg.value_init, reward)
+def make_optimizer(policy, value_head, cfg):
+    """The post's AdamW: the adapter at LR, the value head (if any) at VALUE_LR. Returns it
+    and every tensor it trains."""
     adapter = [p for p in policy.parameters() if p.requires_grad]
-    trainable = adapter + (list(value_head.parameters()) if value_head else [])
-    optimizer = torch.optim.AdamW(
-        [{"params": adapter, "lr": cfg.lr}]
-        + ([{"params": value_head.parameters(), "lr": cfg.value_lr}] if value_head else []))
-    if value_head is None:
-        print(f"--estimator {cfg.estimator}: no value head, no value loss; the baseline is "
-              + {"rloo": "the other samples of the same prompt",
-                 "reinforce": "a moving average of the rewards",
-                 "grpo": "the mean of the prompt's samples"}[cfg.estimator])
-    k, reinforce_baseline = cfg.samples_per_prompt, None
-    controller = AdaptiveKLController(beta, cfg.target_kl) if cfg.target_kl else None
-    parallel.seed_sampling(seed)                # under torchrun, each rank its own stream
-    # `commits`: the code of every process that wrote iterations here (a resumed run has two)
-    results = {"config": run_config(cfg, beta, seed),
-               "commits": [git_commit()], "iterations": [], "final": None}
-    start = 0
-    if cfg.resume and has_checkpoint(run_dir):
-        start, beta, reinforce_baseline = load_checkpoint(run_dir, policy, value_head,
-                                                          optimizer)
-        if controller:
-            controller.beta = beta
-        with cli.reading(Path(run_dir) / "results.json", "the results of the run to resume"):
-            old = json.loads((Path(run_dir) / "results.json").read_text())
-        results["iterations"] = old["iterations"][:start]
-        results["commits"] = old.get("commits", []) + results["commits"]
-        print(f"resumed {run_dir} at iteration {start}")
-    else:                                       # --force: another run's checkpoint goes
-        shutil.rmtree(Path(run_dir) / "checkpoint", ignore_errors=True)
-
-    bar = tqdm(range(start, cfg.iterations), desc=f"beta={beta:g} seed={seed}",
-               disable=not progress, initial=start, total=cfg.iterations)
-    for iteration in bar:
-        timer, t0 = {}, time.perf_counter()
-        # ---- 1. generate: sample k summaries for each post with the current policy
-        # (under torchrun, each rank its share of the posts: parallel.py)
-        draw = parallel.mine(loaders.batch_for(pool, iteration, cfg.batch, seed))
-        posts = [p for p in draw for _ in range(k)]
-        # the post of each response, (B,) over the whole batch (every rank's, under torchrun)
-        prompt_of = torch.arange(cfg.batch, device=device).repeat_interleave(k)    # (B,)
-        prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in posts], device)
-        with loaders.precision(cfg, device):
-            sequences, actions = generate(policy, prompt_ids, prompt_mask, cfg, eos)
-        #                                               (B, P+T), (B, T)
-        mask = response_mask(actions, eos)              # (B, T) 1 up to and incl. first EOS
-        attention = full_mask(prompt_mask, actions)     # (B, P+T)
-        groups = micro_batches(prompt_mask, cfg.micro_batch)    # [(rows, first column)]
-        timer["generate"] = time.perf_counter() - t0
-
-        # ---- 2. score the finished summaries (ids, not text)
-        t = time.perf_counter()
-        with loaders.precision(cfg, device):
-            scores = score(reward, prompt_ids, prompt_mask, actions, mask,
-                           cfg.missing_eos_penalty, eos, groups, cfg.reward)    # (B,)
-        check_finite(iteration, score=scores)
-        timer["score"] = time.perf_counter() - t
-
-        # ---- 3. old log-probs and values (training path), reference log-probs
-        t = time.perf_counter()
-        logp_old, values, logp_ref = old_and_reference(policy, value_head, reference, sequences,
-                                                       attention, actions, groups, cfg)  # (B, T)
-        with torch.no_grad():
-            # ---- 4. shaped reward (3)-(4), then GAE (5)-(6) and returns (7)
-            # (4)  D_KL^(t) ~= log pi_old(a_t|s_t) - log pi_ref(a_t|s_t)   (k1; k3 if asked)
-            kl = kl_per_token(logp_old, logp_ref, cfg.kl_estimator)         # (B, T)
-            current_beta = controller.beta if controller else beta
-            # (3)  r_t = -beta D_KL^(t) + 1{t=T} r_score, T each response's last real token
-            rewards = shaped_rewards(logp_old, logp_ref, scores, current_beta, mask, kl=kl)
-            # Whitening and baselines see the whole batch, every rank's rows (parallel.py)
-            if cfg.estimator == "gae":
-                if cfg.whiten_rewards:                  # Stiennon et al.: rescaled, not shifted
-                    rewards = parallel.across(whiten, rewards, mask, shift_mean=False)
-                # (5)-(7)  delta_t, A_t = sum_l (gamma lam)^l delta_{t+l}, R_t = A_t + V(s_t)
-                adv, ret = advantages_and_returns(rewards, values, mask, cfg.gamma,
-                                                  cfg.lam)                  # (B, T) each
-                adv = parallel.across(whiten, adv, mask)        # (B, T) over real tokens only
-            else:                                       # the response as one action (gae.py)
-                # R(x, y) = r_phi(x, y) - beta sum_t D_KL^(t), its baseline from other samples
-                R = sequence_rewards(scores, kl, mask, current_beta)            # (B,)
-                # A_i = R_i - b_i; b_i the mean of the prompt's other samples (rloo), a moving
-                # average (reinforce), the group mean, A_i then / group std (grpo)
-                adv, reinforce_baseline = sequence_advantages(
-                    cfg.estimator, parallel.gather(R), prompt_of, reinforce_baseline,
-                    cfg.reinforce_decay, cfg.grpo_unbiased)                     # (B,)
-                # A_i on each real token, not whitened; GRPO averages a response's tokens
-                adv = per_token(parallel.mine(adv), mask, length_normalise=cfg.estimator
-                                == "grpo" and not cfg.grpo_unbiased)            # (B, T)
-                ret = None                              # no value head to fit
-            check_finite(iteration, reward=rewards, advantage=adv)
-        timer["forward"] = time.perf_counter() - t
-
-        # ---- 5. INNER_STEPS clipped updates on this batch
-        t = time.perf_counter()
-        batch = Rollout(iteration, sequences, attention, actions, mask, logp_old, values, adv,
-                        ret, groups, posts)
-        logs = []
-        for step in range(cfg.inner_steps):
-            optimizer.zero_grad(set_to_none=True)
-            log, ratios = accumulate_gradients(policy, value_head, batch, cfg, tokenizer)
-            parallel.sum_gradients(trainable)           # torchrun: the whole batch's gradient
-            if step == 0:       # the post's probe, before any step, on every rank's tokens
-                ratio_min, ratio_max = check_ratio(parallel.gather(ratios))
-                bar.write(f"iteration {iteration}: ratio at the first inner step "
-                          f"{ratio_min:.4f} to {ratio_max:.4f} (clip range "
-                          f"{1 - cfg.clip:.1f} to {1 + cfg.clip:.1f})")
-            optimizer.step()
-            logs.append(log)
-        timer["update"] = time.perf_counter() - t
-
-        # ---- metrics, on the whole batch (under torchrun, every rank's rows)
-        whole = map(parallel.gather, (scores, rewards, kl, values, ret, mask, actions))
-        row = iteration_row(iteration, *whole, eos, logs, ratio_min, ratio_max, current_beta)
-        if controller:                                  # on the batch's KL per sequence
-            controller.update(row["kl"])
-        row.update({f"seconds_{k}": round(v, 3) for k, v in timer.items()},
-                   seconds=round(time.perf_counter() - t0, 3), threads=torch.get_num_threads(),
-                   peak_memory_gb=round(peak_memory_gb(device), 3))
-        results["iterations"].append(row)
-        write_json(Path(run_dir) / "results.json", results)
-        if (iteration + 1) % cfg.checkpoint_every == 0 or iteration + 1 == cfg.iterations:
-            save_checkpoint(run_dir, iteration, policy, value_head, optimizer,
-                            controller.beta if controller else beta, reinforce_baseline)
-        bar.set_postfix(reward=f"{row['reward']:.2f}", kl=f"{row['kl']:.2f}",
-                        len=f"{row['response_length']:.1f}", ratio=f"{ratio_max:.4f}")
-    return policy, value_head, results
+    head = list(value_head.parameters()) if value_head else []
+    optimizer = torch.optim.AdamW([{"params": adapter, "lr": cfg.lr}]
+                                  + ([{"params": head, "lr": cfg.value_lr}] if head else []))
+    return optimizer, adapter + head
 
 
 @dataclass
@@ -647,6 +528,88 @@ class Rollout:
     ret: torch.Tensor
     groups: list
     posts: list
+
+
+def train(cfg, beta, seed, models, pool, run_dir, progress=True):
+    """One PPO run, the post's `train`: returns (policy, value_head, results)."""
+    reference, reward, tokenizer, device = models
+    eos, k = tokenizer.eos_token_id, cfg.samples_per_prompt
+    torch.manual_seed(seed)                     # the same adapter and value head on every rank
+    policy, value_head = policy_and_value(reference, reward, cfg, device)
+    optimizer, trainable = make_optimizer(policy, value_head, cfg)
+    parallel.seed_sampling(seed)                # under torchrun, each rank its own stream
+    # ---- plumbing: results.json (rewritten each iteration), or a resumed run's checkpoint
+    start, beta, baseline, results = start_results(run_dir, cfg.resume, run_config(
+        cfg, beta, seed), policy, value_head, optimizer, beta)
+    controller = AdaptiveKLController(beta, cfg.target_kl) if cfg.target_kl else None
+    bar = tqdm(range(start, cfg.iterations), desc=f"beta={beta:g} seed={seed}",
+               disable=not progress, initial=start, total=cfg.iterations)
+    for iteration in bar:
+        lap = Laps()                            # plumbing: each phase's seconds
+        # ---- 1. generate: sample k summaries for each post with the current policy
+        posts = [p for p in parallel.mine(loaders.batch_for(pool, iteration, cfg.batch, seed))
+                 for _ in range(k)]             # under torchrun, this rank's share
+        prompt_of = torch.arange(cfg.batch, device=device).repeat_interleave(k)  # (B,) all ranks
+        prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in posts], device)
+        with loaders.precision(cfg, device):            # (B, P+T), (B, T)
+            sequences, actions = generate(policy, prompt_ids, prompt_mask, cfg, eos)
+        mask = response_mask(actions, eos)              # (B, T) 1 up to and incl. first EOS
+        attention = full_mask(prompt_mask, actions)     # (B, P+T)
+        groups = micro_batches(prompt_mask, cfg.micro_batch)    # [(rows, first column)]
+        lap("generate")
+        # ---- 2. score the finished summaries (ids, not text)
+        with loaders.precision(cfg, device):
+            scores = score(reward, prompt_ids, prompt_mask, actions, mask,
+                           cfg.missing_eos_penalty, eos, groups, cfg.reward)    # (B,)
+        check_finite(iteration, score=scores)
+        lap("score")
+        # ---- 3. old log-probs and values (training path), reference log-probs
+        logp_old, values, logp_ref = old_and_reference(policy, value_head, reference, sequences,
+                                                       attention, actions, groups, cfg)  # (B, T)
+        beta_now = controller.beta if controller else beta
+        with torch.no_grad():
+            # ---- 4. shaped reward (3)-(4), then GAE (5)-(6) and returns (7)
+            # (4)  D_KL^(t) ~= log pi_old(a_t|s_t) - log pi_ref(a_t|s_t)   (k1; k3 if asked)
+            kl = kl_per_token(logp_old, logp_ref, cfg.kl_estimator)         # (B, T)
+            # (3)  r_t = -beta D_KL^(t) + 1{t=T} r_score, T each response's last real token
+            rewards = shaped_rewards(logp_old, logp_ref, scores, beta_now, mask, kl=kl)
+            # whitening and baselines see the whole batch, every rank's rows (parallel.py)
+            if cfg.estimator == "gae":
+                if cfg.whiten_rewards:                  # Stiennon et al.: rescaled, not shifted
+                    rewards = parallel.across(whiten, rewards, mask, shift_mean=False)
+                # (5)-(7)  delta_t, A_t = sum_l (gamma lam)^l delta_{t+l}, R_t = A_t + V(s_t)
+                adv, ret = advantages_and_returns(rewards, values, mask, cfg.gamma,
+                                                  cfg.lam)                  # (B, T) each
+                adv = parallel.across(whiten, adv, mask)        # (B, T) over real tokens only
+            else:                                       # departure 9: no value head to fit
+                (adv, baseline), ret = one_action_advantages(cfg, scores, kl, mask, beta_now,
+                                                             prompt_of, baseline), None
+            check_finite(iteration, reward=rewards, advantage=adv)
+        lap("forward")
+        # ---- 5. INNER_STEPS clipped updates on this batch
+        batch = Rollout(iteration, sequences, attention, actions, mask, logp_old, values, adv,
+                        ret, groups, posts)
+        logs = []
+        for step in range(cfg.inner_steps):
+            optimizer.zero_grad(set_to_none=True)
+            log, ratios = accumulate_gradients(policy, value_head, batch, cfg, tokenizer)
+            parallel.sum_gradients(trainable)           # torchrun: the whole batch's gradient
+            if step == 0:       # the post's probe, before any step, on every rank's tokens
+                ratio_min, ratio_max = check_ratio(parallel.gather(ratios))
+                bar.write(ratio_line(iteration, ratio_min, ratio_max, cfg.clip))
+            optimizer.step()
+            logs.append(log)
+        lap("update")
+        # ---- plumbing: the iteration's row (whole batch), results.json, a checkpoint
+        whole = map(parallel.gather, (scores, rewards, kl, values, ret, mask, actions))
+        row = iteration_row(iteration, *whole, eos, logs, ratio_min, ratio_max, beta_now)
+        if controller:                                  # on the batch's KL per sequence
+            controller.update(row["kl"])
+        record_iteration(results, row, lap, run_dir, device, bar)
+        if (iteration + 1) % cfg.checkpoint_every == 0 or iteration + 1 == cfg.iterations:
+            save_checkpoint(run_dir, iteration, policy, value_head, optimizer,
+                            controller.beta if controller else beta, baseline)
+    return policy, value_head, results
 
 
 def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
@@ -668,10 +631,10 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
         # (8) r_t = exp(logp - logp_old) on real tokens: exactly 1 before the first step
         ratio = (logp - logp_old).exp().detach()[mask.bool()]     # (N,) real tokens
         ratios += [ratio.min(), ratio.max()]
-        pl, vl, el, stats = ppo_losses(logp, logp_old, batch.adv[rows], v,
-                                       None if batch.ret is None else batch.ret[rows], mask,
-                                       cfg.clip, entropy, n_seq, n_tok, batch.values[rows],
-                                       cfg.value_clip)
+        ret = None if batch.ret is None else batch.ret[rows]              # (b, T)
+        pl, vl, el, stats = ppo_losses(logp, logp_old, batch.adv[rows], v, ret, mask=mask,
+                                       clip=cfg.clip, entropy=entropy, n_seq=n_seq, n_tok=n_tok,
+                                       values_old=batch.values[rows], value_clip=cfg.value_clip)
         # (14) L_total = L_policy + c_v L_value + c_ent L_ent + c_ptx L_ptx
         loss = pl + cfg.vf_coef * vl + cfg.ent_coef * el
         if cfg.ptx_coef:                                # (13) on these posts' human TL;DRs
@@ -691,7 +654,8 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
     return parallel.total(log), torch.stack(ratios)             # (2 x parts,)
 
 
-# ------------------------------------------------------ the final held-out evaluation
+
+# ---------------------------------------- the final evaluation, on held-out posts
 
 @torch.no_grad()
 def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
@@ -729,8 +693,19 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
     return out
 
 
+# ======================================================== plumbing: runs, sweeps, main
+# What --resume may change; any other setting that differs from the checkpoint's is an error
+# (unless --force): a run continued with another beta or seed is no run at all.
+RESUME_MAY_CHANGE = ("iterations", "checkpoint_every", "eval_prompts", "micro_batch", "out",
+                     "resume", "force", "seeds")
+# The settings printed when a run starts
+SHOWN = ("estimator", "iterations", "batch", "samples_per_prompt", "prompt_tokens",
+         "max_new_tokens", "inner_steps", "lr", "value_lr", "clip", "gamma", "lam", "micro_batch",
+         "precision", "eval_prompts", "kl_estimator", "target_kl", "reward")
+ESTIMATOR_NOTE = {"rloo": "the other samples of the same prompt",
+                  "reinforce": "a moving average of the rewards",
+                  "grpo": "the mean of the prompt's samples"}
 
-# ---------------------------------------------------------------------------- main
 
 def runs(cfg):
     """Every (beta, seed) pair: one run each; more than one is a sweep."""
@@ -751,7 +726,7 @@ def run_dir_for(cfg, beta, seed):
 
 
 def main(argv=None):
-    parallel.setup()                                    # under torchrun only (parallel.py)
+    parallel.setup()                                    # under torchrun only
     cfg = parse_args(argv)
     if cfg.batch % parallel.size():
         raise cli.UserError(f"--batch {cfg.batch} does not split evenly over "
@@ -762,6 +737,9 @@ def main(argv=None):
     processes = f", {parallel.size()} processes" if parallel.size() > 1 else ""
     print(f"preset {cfg.preset} on {device}{processes}: "
           + ", ".join(f"{k}={getattr(cfg, k)}" for k in SHOWN))
+    if cfg.estimator != "gae":
+        print(f"--estimator {cfg.estimator}: no value head, no value loss; the baseline is "
+              + ESTIMATOR_NOTE[cfg.estimator])
     reward_path = Path(cfg.reward_model)
     if not (reward_path / "config.json").exists():
         raise cli.UserError(f"no reward model in {reward_path}: run `python reward_model.py"

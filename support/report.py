@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -535,3 +536,72 @@ def plot_sweep(table, baseline, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# ------------------------------------------------------------- one run's bookkeeping
+
+def start_results(run_dir, resume, config, policy, value_head, optimizer, beta):
+    """results.json's start for a run: (first iteration, beta, REINFORCE baseline, results).
+    With --resume and a checkpoint in `run_dir`, the checkpoint's state is loaded into the
+    policy, the value head and the optimizer (the RNG too) and its iterations are kept;
+    otherwise a checkpoint left there (--force) is removed. `commits`: the code of every
+    process that wrote iterations here (a resumed run has two)."""
+    results = {"config": config, "commits": [git_commit()], "iterations": [], "final": None}
+    if not (resume and has_checkpoint(run_dir)):
+        shutil.rmtree(Path(run_dir) / "checkpoint", ignore_errors=True)
+        return 0, beta, None, results
+    start, beta, baseline = load_checkpoint(run_dir, policy, value_head, optimizer)
+    with cli.reading(Path(run_dir) / "results.json", "the results of the run to resume"):
+        old = json.loads((Path(run_dir) / "results.json").read_text())
+    results["iterations"] = old["iterations"][:start]
+    results["commits"] = old.get("commits", []) + results["commits"]
+    print(f"resumed {run_dir} at iteration {start}")
+    return start, beta, baseline, results
+
+
+class Laps:
+    """Seconds per phase of one iteration: `lap("generate")` closes the phase that began at
+    the previous lap (or at the start)."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.seconds = {}
+
+    def __call__(self, phase):
+        now = time.perf_counter()
+        self.seconds[phase], self.last = now - self.last, now
+
+    def row(self):
+        """results.json's timing keys: seconds_<phase> each, and the whole iteration's."""
+        return {**{f"seconds_{k}": round(v, 3) for k, v in self.seconds.items()},
+                "seconds": round(time.perf_counter() - self.start, 3)}
+
+
+def record_iteration(results, row, laps, run_dir, device, bar):
+    """Add an iteration's row, with its times, threads and memory, rewrite results.json and
+    show the row's main numbers on the progress bar."""
+    row.update(laps.row(), threads=torch.get_num_threads(),
+               peak_memory_gb=round(peak_memory_gb(device), 3))
+    results["iterations"].append(row)
+    write_json(Path(run_dir) / "results.json", results)
+    bar.set_postfix(reward=f"{row['reward']:.2f}", kl=f"{row['kl']:.2f}",
+                    len=f"{row['response_length']:.1f}", ratio=f"{row['ratio_max']:.4f}")
+
+
+class NonFiniteError(cli.UserError):
+    """A score, reward, advantage or loss became NaN or inf: the run stops there."""
+
+
+def check_finite(iteration, **named):
+    """Stop at the first of the `named` tensors that holds a NaN or an inf.
+
+    Called before the backward pass and the optimizer step, and before the iteration's
+    results row and checkpoint are written: the last checkpoint is the last good state.
+    Under torchrun it counts every rank's values, so every rank stops, or none.
+    """
+    for name, x in named.items():
+        bad = parallel.total(int((~torch.isfinite(x)).sum()))     # every rank's: all stop
+        if bad:
+            raise NonFiniteError(f"iteration {iteration}: the {name} is NaN or inf in "
+                                 f"{bad} of {parallel.total(x.numel())} values; stopped "
+                                 "there, and the last checkpoint (if any) is intact")

@@ -215,7 +215,8 @@ def test_tokens_after_eos_change_nothing(tiny, tokenizer):
         rewards = shaped_rewards(logp_old, logp_ref, torch.tensor([1.0, 2.0, 3.0]), 0.1, mask)
         adv, ret = advantages_and_returns(rewards, values.detach(), mask)
         adv = whiten(adv, mask)
-        pl, vl, el, _ = ppo.ppo_losses(logp, logp_old, adv, values, ret, mask, 0.2, entropy)
+        pl, vl, el, _ = ppo.ppo_losses(logp, logp_old, adv, values, ret, mask=mask, clip=0.2,
+                                       entropy=entropy)
         (pl + vl + el).backward()
         grad = torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad])
         return mask, rewards, adv, ret, pl, vl, el, grad
@@ -237,7 +238,7 @@ def test_clip_asymmetry(adv, objective, has_grad):
     logp = torch.full((1, 1), torch.tensor(1.5).log().item(), requires_grad=True)
     mask, adv_t = torch.ones(1, 1), torch.full((1, 1), adv)
     pl, _, _, stats = ppo.ppo_losses(logp, logp_old, adv_t, torch.zeros(1, 1),
-                                     torch.zeros(1, 1), mask, clip=0.2)
+                                     torch.zeros(1, 1), mask=mask, clip=0.2)
     assert -pl.item() == pytest.approx(objective, abs=1e-5)   # (10) L = -J
     pl.backward()
     assert (logp.grad.abs().item() > 0.1) == has_grad
@@ -249,10 +250,10 @@ def test_micro_batches_add_up_to_the_full_batch_loss():
     logp, logp_old, adv = torch.randn(4, 5), torch.randn(4, 5), torch.randn(4, 5)
     values, ret = torch.randn(4, 5), torch.randn(4, 5)
     mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]])
-    full = ppo.ppo_losses(logp, logp_old, adv, values, ret, mask, 0.2, logp.exp())
+    full = ppo.ppo_losses(logp, logp_old, adv, values, ret, mask=mask, entropy=logp.exp())
     n_tok = mask.sum()
-    halves = [ppo.ppo_losses(logp[r], logp_old[r], adv[r], values[r], ret[r], mask[r], 0.2,
-                             logp[r].exp(), n_seq=4, n_tok=n_tok)
+    halves = [ppo.ppo_losses(logp[r], logp_old[r], adv[r], values[r], ret[r], mask=mask[r],
+                             entropy=logp[r].exp(), n_seq=4, n_tok=n_tok)
               for r in (slice(0, 2), slice(2, 4))]
     for k in range(3):                                       # policy, value, entropy terms
         assert halves[0][k] + halves[1][k] == pytest.approx(full[k].item(), abs=1e-6)
@@ -648,13 +649,13 @@ def test_value_clipping_on_a_hand_computed_example():
     values = torch.tensor([[1.5, 2.5, 0.9]], requires_grad=True)
     ones = torch.ones(1, 3)
     _, vl, _, _ = ppo.ppo_losses(torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 3),
-                                 values, 2 * ones, ones, 0.2, values_old=ones, value_clip=0.2)
+                                 values, 2 * ones, mask=ones, values_old=ones, value_clip=0.2)
     assert vl.item() == pytest.approx((0.64 + 0.64 + 1.21) / 3)
     # where the clipped term is the max, the value gets no gradient from it
     (grad,) = torch.autograd.grad(vl, values)
     assert grad.tolist()[0] == pytest.approx([0.0, 0.0, 2 * (0.9 - 2) / 3])
     _, plain, _, _ = ppo.ppo_losses(torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 3),
-                                    values, 2 * ones, ones, 0.2)
+                                    values, 2 * ones, mask=ones)
     assert plain.item() == pytest.approx((0.25 + 0.25 + 1.21) / 3)
 
 

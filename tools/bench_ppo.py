@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 import loaders
+from support.report import peak_memory_gb
 
 ROOT = Path(__file__).resolve().parent.parent        # the repository root
 
@@ -83,7 +84,7 @@ def worker(variant, iterations, micro_batch, reward_model, precision):
         _, _, results = ppo.train(cfg, 0.1, 0, (reference, reward, tokenizer, device), pool,
                                   out, progress=False)
     rows = results["iterations"]
-    print("RESULT " + json.dumps({"rows": rows, "peak_gb": ppo.peak_memory_gb(device)}))
+    print("RESULT " + json.dumps({"rows": rows, "peak_gb": peak_memory_gb(device)}))
 
 
 def main():
@@ -98,7 +99,7 @@ def main():
                         help="time only the fp32 variants")
     parser.add_argument("--check-gpu", action="store_true",
                         help="check a CUDA machine in one command instead (check_gpu.py): "
-                             "kernel tests compiled, kernels/bench.py, PPO iterations")
+                             "kernel tests compiled, tools/bench_kernels.py, PPO iterations")
     parser.add_argument("--dry-run", action="store_true",
                         help="with --check-gpu: the same steps on the CPU at toy sizes")
     parser.add_argument("--prepare", action="store_true",

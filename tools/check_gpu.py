@@ -5,7 +5,7 @@ On a CUDA machine it runs three steps, prints one table and writes it as JSON to
     1. tests     the kernel suite with the Triton kernels compiled on CUDA tensors
                  (tests/test_kernels.py; its CPU cases run under the interpreter in a fresh
                  process, as the suite arranges)
-    2. kernels   kernels/bench.py on CUDA at 16 x 304 rows x 49,152 and x 151,936: time,
+    2. kernels   tools/bench_kernels.py on CUDA at 16 x 304 rows x 49,152 and x 151,936: time,
                  peak extra memory and bandwidth (as a fraction of a device-to-device copy)
                  of every path, against the post's and torch.compile of it
     3. ppo       3 iterations of the blog preset in bf16 and in fp32, per phase, with random
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 import loaders
-from support.report import write_json
+from support.report import peak_memory_gb, write_json
 
 ROOT = Path(__file__).resolve().parent.parent        # the repository root
 MODELS = {"smollm2": None, "vocab151936": 151936}        # folder name: vocabulary override
@@ -105,7 +105,7 @@ def ppo_worker(model, preset, precision, iterations):
         _, _, results = ppo.train(cfg, 0.1, 0, (reference, loaders.freeze(reward), tokenizer,
                                                 device), pool, out, progress=False)
     print("RESULT " + json.dumps({"rows": results["iterations"],
-                                  "peak_gb": ppo.peak_memory_gb(device)}))
+                                  "peak_gb": peak_memory_gb(device)}))
 
 
 def run(command, timeout):
@@ -170,7 +170,7 @@ def print_table(report):
     print(f"1. kernel tests: {'ok' if report['tests']['ok'] else 'FAILED'}: "
           f"{report['tests']['summary']}")
     kernels = report["kernels"]
-    print(f"2. kernels/bench.py: {'ok' if kernels['ok'] else 'FAILED'}")
+    print(f"2. tools/bench_kernels.py: {'ok' if kernels['ok'] else 'FAILED'}")
     for size, paths in kernels.get("sizes", {}).items():
         for path, r in paths.items():
             bandwidth = (f", {r['bytes_per_s'] / r['copy_bytes_per_s']:.0%} of copy bandwidth"
