@@ -109,7 +109,7 @@ class Config:
     """Every setting of a run: the post's hyperparameters first, then the extras, then how
     the run is organised. Each is a flag (support/config.py); presets below."""
     # ---- the post's hyperparameters
-    beta: tuple = option((0.1,), "KL coefficient(s) of (3); several run a sweep")
+    beta: list = option((0.1,), "KL coefficient(s) of (3); several run a sweep")
     iterations: int = option(ITERATIONS, "PPO iterations per run (the post: 100)")
     batch: int = option(BATCH, "prompts per iteration, BATCH (the post: 16)")
     prompt_tokens: int = option(PROMPT_TOKENS, "PROMPT_TOKENS, longer posts are cut (the "
@@ -149,7 +149,7 @@ class Config:
                                          "before GAE (Stiennon et al.)")
     # ---- the run: seeds, speed, evaluation, files
     preset: str = option("auto", "blog (CUDA/MPS default), cpu (CPU default) or tiny (tests)")
-    seeds: tuple = option((0,), "seed(s); every (beta, seed) pair is one run")
+    seeds: list = option((0,), "seed(s); every (beta, seed) pair is one run")
     micro_batch: int = option(16, "sequences per forward (and backward) in the old, reference "
                                 "and inner-step passes; same gradient, less memory")
     precision: str = option("fp32", "fp32 (the post), bf16 (the bodies under autocast, "

@@ -63,16 +63,15 @@ Departures from Stiennon et al. (each repeated at its line):
   8. Every summary is read at an EOS: training appends one, and PPO's responses that hit
      the length limit get one appended before scoring (`score_ids`), so a response cut at
      48 tokens looks like a training summary cut at 48 tokens, not like nothing seen before.
-  9. `--off-post-pairs N` adds N comparisons "under post p, p's own human TL;DR beats the
-     human TL;DR of another post q" (RRM, Liu et al. 2024, arXiv:2409.13156), and
-     `--off-post-sample-pairs M` the same with SmolLM2's samples for p and q. q is p's
-     neighbour in summary length, and both summaries are cut to the shorter: g(y) is equal,
-     (R5)'s length term cancels, and f learns only whether the summary belongs to the post.
-     The posts are those departure 7 may use. Human comparisons never show this: both
-     summaries of a comparison are of the same post, so nothing in them rewards reading it.
-     The relevance metrics (`relevance`) measure it on posts never trained on.
+  9. `--off-post-pairs N` (`--off-post-sample-pairs M`): "under post p, p's own human TL;DR
+     (SmolLM2 sample) beats another post's", RRM (Liu et al. 2024, arXiv:2409.13156), with
+     both cut to equal length so only f learns, from departure 7's posts. People's
+     comparisons never reward reading the post (both summaries are of it); the relevance
+     metrics test it on posts never trained on.
 Speed, exact: a pair's two summaries share one pass over their prompt (its keys and values
 are cached and copied), which causal attention makes identical to two full passes (tested).
+Elsewhere: the data and the pairs in support/rm_data.py; the metrics and the printed
+report in support/rm_report.py.
 
 Run:   python reward_model.py                 (cpu preset: ~25 min on a 2-core CPU without AVX-512)
        python reward_model.py --preset tiny   (toy model, seconds)
@@ -86,8 +85,6 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -105,12 +102,15 @@ from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from support import cli  # noqa: E402
 import loaders  # noqa: E402
 import lora  # noqa: E402
 from gae import ended_with_eos, last_token_index  # noqa: E402
+from support import cli, rm_data, rm_report  # noqa: E402
 from support.config import option, read_config  # noqa: E402
-from support.report import publish  # noqa: E402
+from support.report import write_aside  # noqa: E402
+from support.rm_data import encode, pad  # noqa: E402
+from support.rm_report import (human_minus_reference_sd, pair_metrics,  # noqa: E402
+                               pairwise_accuracy)
 
 
 @dataclass
@@ -220,79 +220,7 @@ def fit_length_weight(dg, iterations=50):
     return w.item()
 
 
-def pairwise_accuracy(r_w, r_l):
-    """Fraction of comparisons ranked right; an exact tie counts one half."""
-    return ((r_w > r_l).double() + 0.5 * (r_w == r_l).double()).mean().item()
-
-
-def wilson_interval(accuracy, n, z=1.96):
-    """(low, high): the Wilson score interval of a proportion; z = 1.96 for 95%."""
-    if n == 0:
-        return 0.0, 1.0
-    # (R4)  (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)
-    centre = accuracy + z * z / (2 * n)
-    spread = z * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n))
-    return (centre - spread) / (1 + z * z / n), (centre + spread) / (1 + z * z / n)
-
-
-# Held-out pairs by how much their two summaries differ in length, in tokens (inclusive).
-LENGTH_BINS = (("0-3", 0, 3), ("4-10", 4, 10), (">10", 11, 10 ** 9))
-
-
-def pair_metrics(r_w, r_l, len_w, len_l):
-    """What one score does on held-out pairs. r_w, r_l: (n,) scores; len_w, len_l: (n,) tokens.
-
-    Accuracy and its Wilson interval (R4); accuracy on the pairs where people chose the
-    shorter summary (a score that only measures length gets these wrong); the Pearson
-    correlation of score and length over all 2n summaries; accuracy by length difference.
-    """
-    n, nan = len(r_w), float("nan")
-    accuracy = pairwise_accuracy(r_w, r_l)
-    low, high = wilson_interval(accuracy, n)
-    shorter = len_w < len_l                                                 # (n,) bool
-    both = torch.stack([torch.cat([r_w, r_l]).double(),
-                        torch.cat([len_w, len_l]).double()])                # (2, 2n)
-    out = {"heldout_accuracy": accuracy, "wilson_low": low, "wilson_high": high,
-           "shorter_preferred_accuracy": (pairwise_accuracy(r_w[shorter], r_l[shorter])
-                                          if shorter.any() else nan),
-           "score_length_correlation": torch.corrcoef(both)[0, 1].item(),
-           "accuracy_by_length_difference": {}}
-    gap = (len_w - len_l).abs()                                             # (n,)
-    for name, lo, hi in LENGTH_BINS:
-        rows = (gap >= lo) & (gap <= hi)                                    # (n,) bool
-        k = int(rows.sum())
-        a = pairwise_accuracy(r_w[rows], r_l[rows]) if k else nan
-        out["accuracy_by_length_difference"][name] = {
-            "pairs": k, "accuracy": a, "wilson": list(wilson_interval(a, k)) if k else [0, 1]}
-    return out
-
-
-def human_minus_reference_sd(human, reference):
-    """(mean human score - mean reference-sample score) / SD of the reference samples' scores.
-
-    How many of the reference policy's own spreads separate a person's TL;DR from what
-    SmolLM2 writes for the same posts; the SD is the sample SD (n - 1).
-    """
-    human, reference = torch.as_tensor(human).double(), torch.as_tensor(reference).double()
-    return ((human.mean() - reference.mean()) / reference.std()).item()
-
-
-def split_comparisons(comparisons, heldout_fraction, seed=0):
-    """(train, held-out) split by post id: every comparison of one post lands on one side."""
-    return loaders.split_by_id(comparisons, "post_id", heldout_fraction, seed)
-
-
 # ------------------------------------------------------------------ the model
-
-def pad(sequences, pad_id, side, device):
-    """Lists of ids -> (ids, mask), both (B, L) long, padded on `side`; mask 1 = real."""
-    width = max(map(len, sequences))
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)    # (B, L)
-    mask = torch.zeros(len(sequences), width, dtype=torch.long)            # (B, L)
-    for i, seq in enumerate(sequences):
-        cols = slice(0, len(seq)) if side == "right" else slice(width - len(seq), width)
-        ids[i, cols], mask[i, cols] = torch.tensor(seq, dtype=torch.long), 1
-    return ids.to(device), mask.to(device)
 
 
 class RewardModel(nn.Module):
@@ -391,16 +319,6 @@ def build_reward_model(settings, device="cpu"):
 
 
 # ------------------------------------------------------------------ tokens and scoring
-
-def encode(tokenizer, prompt, summary, max_summary_tokens):
-    """(prompt ids, summary ids + EOS), laid out exactly as PPO produces them.
-
-    PPO tokenizes the prompt alone and then samples response ids, which usually start
-    with a space token. So the prompt and " " + summary are tokenized separately, never as
-    one string: BPE would merge across the seam and train on a layout PPO never shows.
-    """
-    summary_ids = tokenizer(" " + summary).input_ids[:max_summary_tokens]
-    return tokenizer(prompt).input_ids, summary_ids + [tokenizer.eos_token_id]
 
 
 def fit_prompt_text(tokenizer, prompt, max_tokens):
@@ -554,202 +472,6 @@ def load_reward_model(path, device="cpu"):
     return loaders.freeze(model)
 
 
-# ------------------------------------------------------------------ data
-
-def prepare_pairs(tokenizer, comparisons, config):
-    """Comparisons -> [{post_id, prompt, chosen, rejected (id lists), *_len, *_tokens}].
-
-    *_len: the whole summary's tokens, before any cut; they feed the length baseline.
-    *_tokens: the tokens the model reads (cut, EOS not counted); they feed g of (R5).
-    A post whose title alone exceeds the prompt budget is dropped.
-    """
-    prompts, pairs = {}, []
-    for c in comparisons:
-        if c["post_id"] not in prompts:
-            prompts[c["post_id"]] = loaders.fit_prompt(tokenizer, c, config.max_prompt_tokens)
-        if prompts[c["post_id"]] is None:
-            continue
-        pair = {"post_id": c["post_id"]}
-        for side in ("chosen", "rejected"):
-            pair["prompt"], pair[side] = encode(tokenizer, prompts[c["post_id"]], c[side],
-                                                config.max_summary_tokens)
-            pair[side + "_len"] = len(tokenizer(" " + c[side]).input_ids)
-            pair[side + "_tokens"] = len(pair[side]) - 1        # g's |y|: as cut, no EOS
-        pairs.append(pair)
-    if len(pairs) < len(comparisons):
-        print(f"dropped {len(comparisons) - len(pairs)} comparisons whose title alone "
-              f"exceeds {config.max_prompt_tokens} tokens")
-    return pairs
-
-
-def serves_in_evaluation(comparison, reserved_titles):
-    """Whether a comparison holds the human TL;DR of one of ppo.py's evaluation posts."""
-    return (comparison["title"].strip() in reserved_titles
-            and "ref" in (comparison["chosen_policy"], comparison["rejected_policy"]))
-
-
-# The post's sampling settings (MAX_NEW_TOKENS, TEMPERATURE, TOP_K, TOP_P), as ppo.py's
-# `generate` samples by default; tests/test_reward_model.py checks that the two agree.
-POST_SAMPLING = {"max_new_tokens": 48, "temperature": 1.0, "top_k": 50, "top_p": 0.95}
-
-
-@torch.no_grad()
-def sample_reference(lm, tokenizer, prompts, batch, seed, desc):
-    """One summary per prompt (id lists) from the reference policy, sampled as in PPO.
-
-    Returns [(ids without the EOS, ended: bool)] in the prompts' order. Prompts of similar
-    length share a `generate` call; the draw is seeded without touching the caller's RNG.
-    """
-    eos = tokenizer.eos_token_id
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    samples = [None] * len(prompts)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        for start in tqdm(range(0, len(order), batch), desc=desc, unit="batch", leave=False):
-            rows = order[start:start + batch]
-            ids, mask = pad([prompts[i] for i in rows], tokenizer.pad_token_id, "left",
-                            lm.device)                                      # (b, P)
-            out = lm.generate(input_ids=ids, attention_mask=mask, do_sample=True,
-                              pad_token_id=eos, **POST_SAMPLING)            # (b, P+T)
-            actions = out[:, ids.shape[1]:]                                 # (b, T)
-            for i, row in zip(rows, actions.tolist()):
-                cut = row.index(eos) if eos in row else len(row)
-                samples[i] = (row[:cut], cut < len(row))
-    return samples
-
-
-def reference_pairs(tokenizer, posts, samples, config):
-    """Departure 7: pairs "the post's human TL;DR beats the reference policy's sample".
-
-    posts: [{id, prompt (already fitted), summary}]; samples: from `sample_reference`.
-    The sample is cut to the TL;DR's length when longer, so the two sides have the same
-    g(y) and (R5)'s length term cancels: only f learns from these pairs.
-    """
-    pairs = []
-    for post, (sample, _) in zip(posts, samples):
-        prompt, human = encode(tokenizer, post["prompt"], post["summary"],
-                               config.max_summary_tokens)
-        sample = sample[:len(human) - 1]                  # no longer than the TL;DR
-        if not sample or sample == human[:-1]:
-            continue
-        pairs.append({"post_id": post["id"], "prompt": prompt, "kind": "reference",
-                      "chosen": human, "rejected": sample + [tokenizer.eos_token_id],
-                      "chosen_len": len(human) - 1, "rejected_len": len(sample),
-                      "chosen_tokens": len(human) - 1, "rejected_tokens": len(sample)})
-    return pairs
-
-
-def length_neighbours(lengths, seed):
-    """[(i, j)]: each item i but the longest, with j the next one up in length. A seeded
-    shuffle comes first, so items of equal length pair at random, not by their index."""
-    order = list(range(len(lengths)))
-    random.Random(seed).shuffle(order)
-    order.sort(key=lambda i: lengths[i])         # stable: equal lengths stay shuffled
-    return list(zip(order, order[1:]))
-
-
-def off_post_pairs(prompts, summaries, post_ids, eos_id, seed, kind="off_post"):
-    """Departure 9: under post p, p's own summary beats q's (q: p's length neighbour).
-
-    prompts: [prompt ids]; summaries: [summary ids, no EOS], one per post; both sides are
-    cut to the shorter of the two and end in EOS, so g(y_w) = g(y_l) and only f learns.
-    Returns the pairs in a seeded random order (take the first n).
-    """
-    pairs = []
-    for p, q in length_neighbours([len(x) for x in summaries], seed):
-        cut = min(len(summaries[p]), len(summaries[q]))
-        own, other = summaries[p][:cut], summaries[q][:cut]
-        if not cut or own == other:
-            continue
-        pairs.append({"post_id": post_ids[p], "prompt": prompts[p], "kind": kind,
-                      "chosen": own + [eos_id], "rejected": other + [eos_id],
-                      "chosen_len": cut, "rejected_len": cut,
-                      "chosen_tokens": cut, "rejected_tokens": cut})
-    random.Random(seed).shuffle(pairs)
-    return pairs
-
-
-def relevance(model, prompts, summaries, seed, batch_rows=32):
-    """Does the judge read the post? On posts never trained on, two measures:
-
-    accuracy: under post p, p's own summary beats its length neighbour q's, both cut to the
-        shorter (content and full agree: g cancels); Wilson 95% interval (R4).
-    gap_sd: the same uncut summary under its own post minus under q's post,
-        f(x_p, y_p) - f(x_q, y_p), averaged, in SDs of f(x_p, y_p) over the posts; with
-        its SE. 0 means the score ignores the post.
-    prompts: [prompt ids]; summaries: [summary ids, no EOS]. Returns a dict.
-    """
-    eos = model.settings["eos_id"]
-    pairs = off_post_pairs(prompts, summaries, list(range(len(prompts))), eos, seed)
-    own = score_grouped(model, [p["prompt"] for p in pairs], [p["chosen"] for p in pairs],
-                        batch_rows, split=True)                             # (n,)
-    other = score_grouped(model, [p["prompt"] for p in pairs],
-                          [p["rejected"] for p in pairs], batch_rows, split=True)  # (n,)
-    accuracy = pairwise_accuracy(own, other)
-    low, high = wilson_interval(accuracy, len(pairs))
-    moved = length_neighbours([len(x) for x in summaries], seed)            # [(p, q)]
-    home = score_grouped(model, [prompts[p] for p, _ in moved],
-                         [summaries[p] + [eos] for p, _ in moved], batch_rows, split=True)
-    away = score_grouped(model, [prompts[q] for _, q in moved],
-                         [summaries[p] + [eos] for p, _ in moved], batch_rows, split=True)
-    # gap_sd = mean_p (f(x_p, y_p) - f(x_q, y_p)) / SD_p f(x_p, y_p)
-    sd = home.double().std().item()
-    d = (home - away).double() / sd                                         # (n,)
-    return {"accuracy": accuracy, "wilson_low": low, "wilson_high": high, "pairs": len(pairs),
-            "gap_sd": d.mean().item(), "gap_sd_se": (d.std() / math.sqrt(len(d))).item(),
-            "posts": len(prompts)}
-
-
-def relevance_sets(model, tokenizer, reserve, encoded, samples, config):
-    """`relevance` on three sets of posts never trained on: human TL;DRs of ppo.py's
-    evaluation reserve (`reserve`: [(fitted prompt, post)], posts of no training comparison)
-    and of this split's held-out posts (`encoded`), and SmolLM2's samples for the latter."""
-    sets = {"human_reserve": ([tokenizer(prompt).input_ids for prompt, _ in reserve],
-                              [tokenizer(" " + p["summary"]).input_ids[:config.max_summary_tokens]
-                               for _, p in reserve]),
-            "human_heldout": ([p for p, _ in encoded], [h[:-1] for _, h in encoded]),
-            "samples_heldout": ([p for p, _ in encoded], [ids for ids, _ in samples])}
-    return {name: relevance(model, prompts, summaries, config.seed, config.eval_batch)
-            for name, (prompts, summaries) in sets.items() if len(prompts) >= 3}
-
-
-def relevance_metrics(sets):
-    """metrics.json's relevance keys: human TL;DRs on the evaluation reserve, SmolLM2's
-    samples on the held-out posts (NaN where a set was too small)."""
-    nan, out = float("nan"), {}
-    for prefix, name in (("relevance", "human_reserve"), ("relevance_sample", "samples_heldout")):
-        got = sets.get(name, {})
-        for key in ("accuracy", "wilson_low", "wilson_high", "pairs"):
-            out[f"{prefix}_{key}"] = got.get(key, nan)
-    human = sets.get("human_reserve", {})
-    out.update(relevance_gap_sd=human.get("gap_sd", nan),
-               relevance_gap_sd_se=human.get("gap_sd_se", nan))
-    return out
-
-
-def human_references(heldout, tldr_posts):
-    """One human-written TL;DR per held-out post: ([(post, summary)], counts by source).
-
-    Stiennon et al. shift scores so the dataset's reference summaries average 0. Ours are
-    the held-out posts' own author TL;DRs, never trained on, from two places: summaries
-    of policy "ref" in the comparisons (batch18), then the TL;DR file's posts whose title
-    matches a held-out post. Together they cover the most posts (~95 here).
-    """
-    posts = {c["post_id"]: c for c in heldout}
-    found, sources = {}, {"comparisons": 0, "tldr_file": 0}
-    for c in heldout:
-        for side in ("chosen", "rejected"):
-            if c[side + "_policy"] == "ref" and c["post_id"] not in found:
-                found[c["post_id"]] = c[side]
-                sources["comparisons"] += 1
-    by_title = {p["title"].strip(): p["summary"] for p in tldr_posts}
-    for post_id, c in posts.items():
-        if post_id not in found and c["title"].strip() in by_title:
-            found[post_id] = by_title[c["title"].strip()]
-            sources["tldr_file"] += 1
-    return [(posts[i], s) for i, s in found.items()], sources
-
-
 # ------------------------------------------------------------------ training
 
 def make_optimizer(model, config):
@@ -869,47 +591,6 @@ def reference_gap(model, encoded, samples, config):
     return out
 
 
-def verdict(metrics, part):
-    """Plain words on chance and on the length baseline, for one score."""
-    low, high = metrics[f"{part}_wilson_low"], metrics[f"{part}_wilson_high"]
-    said = [f"{part}: " + ("above chance (Wilson lower bound > 0.5)" if low > 0.5 else
-                           "NOT distinguishable from chance (Wilson lower bound <= 0.5)")]
-    base = metrics["length_baseline_accuracy"]
-    said.append("beats 'the longer summary wins'" if base < low else
-                "does NOT beat 'the longer summary wins'" if base > high else
-                "cannot be told apart from 'the longer summary wins'")
-    shorter = metrics[f"{part}_shorter_preferred_accuracy"]
-    if shorter < 0.5:
-        said.append(f"right only {shorter:.0%} of the time where people chose the shorter "
-                    "summary, so it leans on length")
-    return "; ".join(said)
-
-
-def plot(losses, margins, folder):
-    """loss.png: the loss of each training step; margins.png: held-out r(y_w) - r(y_l)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    w = max(1, len(losses) // 20)
-    smooth = [sum(losses[max(0, i - w + 1):i + 1]) / min(w, i + 1) for i in range(len(losses))]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(losses, alpha=0.3, label="each step")
-    ax.plot(smooth, label=f"mean of {w} steps")
-    ax.axhline(math.log(2), color="grey", ls=":", label="log 2 (a coin)")
-    ax.set(xlabel="step", ylabel="Bradley-Terry loss (R1)", title="reward model training")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(folder / "loss.png", dpi=120)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.hist(margins.numpy(), bins=40)
-    ax.axvline(0, color="black", lw=1)
-    ax.set(xlabel="r(x, y_w) - r(x, y_l)", ylabel="held-out comparisons",
-           title=f"held-out margins: {(margins > 0).double().mean():.1%} above 0")
-    fig.tight_layout()
-    fig.savefig(folder / "margins.png", dpi=120)
-    plt.close("all")
-
-
 def main(argv=None):
     start = time.time()
     parallel.setup()                             # under torchrun only (parallel.py)
@@ -917,95 +598,63 @@ def main(argv=None):
     print(f"preset {config.preset}: "
           + (", ".join(f"{k}={v}" for k, v in PRESETS[config.preset].items()) or "defaults")
           + "\nsettings: " + ", ".join(f"{k}={v}" for k, v in asdict(config).items()))
-    # Written aside, in a hidden folder beside --out, and renamed into place when complete;
-    # a failure removes it and any folder made for it: --out is left as it was.
-    out = Path(config.out).resolve()
-    if not parallel.is_main():                   # torchrun: rank 0 alone writes --out
-        with tempfile.TemporaryDirectory() as scratch:
-            run(config, Path(scratch), start)
-        return
-    with cli.new_folders(out.parent):
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        try:
-            metrics = run(config, staging, start)
-            publish(staging, out)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    print(f"saved to {config.out}/ ({metrics['seconds']:.0f} s in all)")
-
-
-def sample_reference_phase(config, tokenizer, tldr_posts, reserved, heldout_c, encoded,
-                           device):
-    """SmolLM2's own samples: departure 7's training pairs and the held-out gap's samples.
-
-    Training posts: TL;DR posts whose title is neither reserved for ppo.py's evaluation nor
-    one of this split's held-out posts. Returns (reference pairs, samples for `encoded`,
-    seconds taken).
-    """
-    t = time.time()
-    pool = []
-    if config.reference_pairs or config.off_post_pairs:
-        excluded = reserved | {c["title"].strip() for c in heldout_c}
-        pool = [p for p in tldr_posts if p["title"].strip() not in excluded]
-        random.Random(config.seed).shuffle(pool)
-        pool = [{**p, "prompt": prompt} for p in pool
-                if (prompt := loaders.fit_prompt(tokenizer, p, config.max_prompt_tokens))]
-    posts = pool[:config.reference_pairs]
-    lm, _ = loaders.load_policy_and_tokenizer(config.model, device=device,   # ppo's reference
-                                              preset="tiny" if config.preset == "tiny" else None)
-    samples = sample_reference(lm, tokenizer, [tokenizer(p["prompt"]).input_ids for p in posts],
-                               config.sample_batch, config.seed, "sampling (training)")
-    gap_samples = sample_reference(lm, tokenizer, [p for p, _ in encoded], config.sample_batch,
-                                   config.seed + 1, "sampling (held-out)")
-    pairs = reference_pairs(tokenizer, posts, samples, config)
-    print(f"sampled the reference policy on {len(posts) + len(encoded)} posts in "
-          f"{time.time() - t:.0f} s: {len(pairs)} reference pairs for training "
-          f"(departure 7), {len(encoded)} samples for the held-out gap")
-    eos = tokenizer.eos_token_id
-    human = off_post_pairs([tokenizer(p["prompt"]).input_ids for p in pool],
-                           [tokenizer(" " + p["summary"]).input_ids[:config.max_summary_tokens]
-                            for p in pool], [p["id"] for p in pool], eos, config.seed,
-                           "off_post")[:config.off_post_pairs]
-    own = off_post_pairs([tokenizer(p["prompt"]).input_ids for p in posts],
-                         [ids for ids, _ in samples], [p["id"] for p in posts], eos,
-                         config.seed, "off_post_sample")[:config.off_post_sample_pairs]
-    if config.off_post_pairs or config.off_post_sample_pairs:
-        print(f"off-post pairs (departure 9): {len(human)} of human TL;DRs from {len(pool)} "
-              f"posts, {len(own)} of SmolLM2's samples from {len(posts)}")
-    return pairs, human, own, gap_samples, time.time() - t
+    # Written aside and renamed into place when complete (rank 0 only, under torchrun)
+    metrics = write_aside(config.out, lambda staging: run(config, staging, start))
+    if metrics:
+        print(f"saved to {config.out}/ ({metrics['seconds']:.0f} s in all)")
 
 
 def run(config, staging, start):
     """Load, split, sample, train, normalise, evaluate, and write everything into `staging`."""
     device = loaders.pick_device()
-    try:
-        comparisons = loaders.load_comparisons(config.data_dir or None)
-    except loaders.NoDataError:
-        raise
-    except loaders.DataError as error:
-        raise loaders.DataError(f"{error}; pass --data-dir a folder holding "
-                                "summarize_from_feedback_comparisons/batch*.json") from error
-    try:
-        tldr_posts = loaders.load_tldr(config.data_dir or None)
-    except loaders.DataError as error:
-        print(f"no TL;DR posts ({error}): no reference pairs, normalising on the "
-              "comparisons' human TL;DRs only")
-        tldr_posts = []
-    train_c, heldout_c = split_comparisons(comparisons, config.heldout_fraction, config.seed)
-    if len(heldout_c) < config.min_heldout_pairs:
-        raise cli.UserError(f"only {len(heldout_c)} comparisons held out, fewer than "
-                            f"--min-heldout-pairs {config.min_heldout_pairs}; raise "
-                            "--heldout-fraction")
-    # Departure 7: no human TL;DR of one of ppo.py's evaluation posts is trained on.
-    reserved = {tldr_posts[i]["title"].strip()
-                for i in loaders.tldr_order(tldr_posts)[:loaders.EVAL_RESERVE]}
-    kept = [c for c in train_c if not serves_in_evaluation(c, reserved)]
-    print(f"dropped {len(train_c) - len(kept)} training comparisons holding the human TL;DR "
-          "of one of ppo.py's evaluation posts")
-    train_c = kept
-    random.Random(config.seed).shuffle(train_c)
+    data = rm_data.load_and_split(config)
+    model, tokenizer = build_for_run(config, device)
+    human_pairs, heldout_pairs = rm_data.comparison_pairs(tokenizer, data, config)
+    # The held-out posts' human TL;DRs: (R3) and the human-minus-reference gap.
+    encoded, sources = rm_data.heldout_references(tokenizer, data, config)
+    # SmolLM2's own samples: departure 7's and 9's pairs, and the gap's other side.
+    extra_pairs, off_human, off_sample, gap_samples, sampling_seconds = (
+        rm_data.sample_reference_phase(config, tokenizer, data, encoded, device))
 
+    # (R6) w from people's choices and length alone, frozen before the network trains.
+    dg = (length_feature([p["chosen_tokens"] for p in human_pairs])
+          - length_feature([p["rejected_tokens"] for p in human_pairs]))   # (N,)
+    model.length_weight.fill_(fit_length_weight(dg))
+    print(f"length weight w = {model.length_weight.item():.3f} (R6: log(1 + tokens), fitted "
+          f"on {len(human_pairs)} human comparisons, then frozen)")
+    train_pairs = human_pairs + extra_pairs + off_human + off_sample
+    random.Random(config.seed).shuffle(train_pairs)
+    losses, train_accuracy = train(model, train_pairs, config)
+    sources = normalise(model, encoded, heldout_pairs, config) or sources           # (R3)
+
+    by_part, f_w, f_l = evaluate(model, heldout_pairs, config)
+    gap = reference_gap(model, encoded, gap_samples, config) if encoded else None
+    metrics, extra = rm_report.collect_metrics(by_part, heldout_pairs, gap,
+                                               model.length_weight.item(), DEFAULT_PART)
+    metrics.update(train_pairs=len(train_pairs), reference_pairs=len(extra_pairs),
+                   off_post_pairs=len(off_human), off_post_sample_pairs=len(off_sample))
+    # Departure 9's measure, on posts never trained on: does the judge read the post?
+    score = lambda p, s: score_grouped(model, p, s, config.eval_batch, split=True)  # noqa
+    extra["relevance"] = rm_report.relevance_sets(
+        score, tokenizer, rm_data.evaluation_reserve(tokenizer, data, config), encoded,
+        gap_samples, config)
+    metrics.update(rm_report.relevance_metrics(extra["relevance"]))
+    extra.update(preset=config.preset, normalisation_bias=model.bias.item(),
+                 normalisation_sources=sources, train_accuracy=train_accuracy,
+                 human_train_pairs=len(human_pairs), sampling_seconds=sampling_seconds,
+                 # the first held-out pair's content scores, for the round-trip test
+                 probe={"post_id": heldout_pairs[0]["post_id"],
+                        "scores": [f_w[0].item(), f_l[0].item()]})
+    save_reward_model(model, staging)
+    rm_report.plot(losses, f_w - f_l, staging)
+    metrics["seconds"] = time.time() - start
+    (staging / "metrics.json").write_text(json.dumps({**metrics, "extra": extra}, indent=2))
+    rm_report.print_summary(metrics, extra, PARTS)
+    return metrics
+
+
+def build_for_run(config, device):
+    """The reward model to train, with the run's settings (saved in config.json)."""
     settings = {"base_model": config.model, "tiny": config.preset == "tiny",
                 "seed": config.seed, "lora_r": lora.LORA_R, "lora_alpha": lora.LORA_ALPHA,
                 "lora_layers": config.lora_layers,
@@ -1025,150 +674,22 @@ def run(config, staging, start):
     print(f"reward model: {trainable:,} trainable of {total:,} parameters on {device}, "
           f"adapter on the top {config.lora_layers or len(model.body.layers)} of "
           f"{len(model.body.layers)} layers")
+    return model, tokenizer
 
-    human_pairs = prepare_pairs(tokenizer, train_c[:config.max_pairs or None], config)
-    heldout_pairs = prepare_pairs(tokenizer, heldout_c[:config.max_heldout_pairs or None],
-                                  config)
-    if not human_pairs or not heldout_pairs:           # every title too long, or no data
-        raise cli.UserError(f"{len(human_pairs)} training and {len(heldout_pairs)} held-out "
-                            "comparisons fit --max-prompt-tokens "
-                            f"{config.max_prompt_tokens}; both need at least one (raise "
-                            "--max-prompt-tokens, or --max-pairs if it is small)")
-    print(f"{len(comparisons)} comparisons of {len({c['post_id'] for c in comparisons})} "
-          f"posts: training on {len(human_pairs)}, evaluating on {len(heldout_pairs)} "
-          f"from {len({c['post_id'] for c in heldout_c})} posts never trained on")
 
-    # The held-out posts' human TL;DRs: (R3) and the human-minus-reference gap.
-    references, sources = human_references(heldout_c[:config.max_heldout_pairs or None],
-                                           tldr_posts)
-    fitted = [(loaders.fit_prompt(tokenizer, post, config.max_prompt_tokens), summary)
-              for post, summary in references]                  # cut as training cut them
-    encoded = [encode(tokenizer, p, s, config.max_summary_tokens) for p, s in fitted if p]
-    print(f"{len(encoded)} human TL;DRs of held-out posts (found {sources['comparisons']} in "
-          f"the comparisons, {sources['tldr_file']} in the TL;DR file; "
-          f"{len(fitted) - len(encoded)} with too long a title)")
-
-    # The reference policy's own samples: departure 7's pairs, and the gap's other side.
-    extra_pairs, off_human, off_sample, gap_samples, sampling_seconds = sample_reference_phase(
-        config, tokenizer, tldr_posts, reserved, heldout_c, encoded, device)
-
-    # (R6) w from people's choices and length alone, frozen before the network trains.
-    dg = (length_feature([p["chosen_tokens"] for p in human_pairs])
-          - length_feature([p["rejected_tokens"] for p in human_pairs]))   # (N,)
-    model.length_weight.fill_(fit_length_weight(dg))
-    print(f"length weight w = {model.length_weight.item():.3f} (R6: log(1 + tokens), fitted "
-          f"on {len(human_pairs)} human comparisons, then frozen)")
-    train_pairs = human_pairs + extra_pairs + off_human + off_sample
-    random.Random(config.seed).shuffle(train_pairs)
-    losses, train_accuracy = train(model, train_pairs, config)
-
-    # (R3) the shift that makes the held-out posts' human TL;DRs average 0 (content score).
+def normalise(model, encoded, heldout_pairs, config):
+    """(R3): bias = -mean f over the held-out posts' human TL;DRs, so they average 0. With
+    none, the preferred held-out summaries stand in (returns the new sources then)."""
     if encoded:
         raw = score_grouped(model, *zip(*encoded), batch_rows=config.eval_batch, split=True)
-    else:
-        print("WARNING: no human TL;DR of any held-out post; normalising on the preferred "
-              "held-out summaries, so 0 means 'a typical preferred summary' instead")
-        sources = {"heldout_chosen": len(heldout_pairs)}
-        raw = score_grouped(model, [p["prompt"] for p in heldout_pairs],
-                            [p["chosen"] for p in heldout_pairs], config.eval_batch,
-                            split=True)
+        model.bias.fill_(-raw.mean().item())
+        return None
+    print("WARNING: no human TL;DR of any held-out post; normalising on the preferred "
+          "held-out summaries, so 0 means 'a typical preferred summary' instead")
+    raw = score_grouped(model, [p["prompt"] for p in heldout_pairs],
+                        [p["chosen"] for p in heldout_pairs], config.eval_batch, split=True)
     model.bias.fill_(-raw.mean().item())
-
-    by_part, f_w, f_l = evaluate(model, heldout_pairs, config)
-    gap = reference_gap(model, encoded, gap_samples, config) if encoded else None
-    metrics, extra = collect_metrics(by_part, heldout_pairs, gap, model)
-    metrics.update(train_pairs=len(train_pairs), reference_pairs=len(extra_pairs),
-                   off_post_pairs=len(off_human), off_post_sample_pairs=len(off_sample))
-    # Departure 9's measure, on posts never trained on: does the judge read the post?
-    reserve = [tldr_posts[i] for i in loaders.tldr_order(tldr_posts)[:loaders.EVAL_RESERVE]]
-    trained = {c["title"].strip() for c in train_c}
-    reserve = [(prompt, p) for p in reserve if p["title"].strip() not in trained
-               and (prompt := loaders.fit_prompt(tokenizer, p, config.max_prompt_tokens))]
-    extra["relevance"] = relevance_sets(model, tokenizer, reserve, encoded, gap_samples, config)
-    metrics.update(relevance_metrics(extra["relevance"]))
-    extra.update(preset=config.preset, normalisation_bias=model.bias.item(),
-                 normalisation_sources=sources, train_accuracy=train_accuracy,
-                 human_train_pairs=len(human_pairs), sampling_seconds=sampling_seconds,
-                 # the first held-out pair's content scores, for the round-trip test
-                 probe={"post_id": heldout_pairs[0]["post_id"],
-                        "scores": [f_w[0].item(), f_l[0].item()]})
-    save_reward_model(model, staging)
-    plot(losses, f_w - f_l, staging)
-    metrics["seconds"] = time.time() - start
-    (staging / "metrics.json").write_text(json.dumps({**metrics, "extra": extra}, indent=2))
-    print_summary(metrics, extra)
-    return metrics
-
-
-def collect_metrics(by_part, pairs, gap, model):
-    """metrics.json's top level (the default score's keys, then each part's) and `extra`."""
-    default, nan = by_part[DEFAULT_PART], float("nan")
-    len_w = torch.tensor([p["chosen_len"] for p in pairs])                  # (n,) tokens
-    len_l = torch.tensor([p["rejected_len"] for p in pairs])                # (n,) tokens
-    metrics = {key: default[key] for key in ("heldout_accuracy", "wilson_low", "wilson_high",
-                                             "shorter_preferred_accuracy")}
-    metrics.update(heldout_pairs=len(pairs), default_part=DEFAULT_PART,
-                   length_weight=model.length_weight.item(),
-                   # "The longer summary wins", in tokens of the full summary; ties count 1/2.
-                   length_baseline_accuracy=pairwise_accuracy(len_w, len_l),
-                   length_matched_accuracy=default["accuracy_by_length_difference"]["0-3"][
-                       "accuracy"])
-    extra = {"shorter_preferred_pairs": int((len_w < len_l).sum()),
-             "length_ties": int((len_w == len_l).sum()),
-             "score_length_correlation": default["score_length_correlation"],
-             "reference_gap": gap}
-    for part in PARTS:
-        for key in ("heldout_accuracy", "wilson_low", "wilson_high",
-                    "shorter_preferred_accuracy", "score_length_correlation"):
-            metrics[f"{part}_{key}"] = by_part[part][key]
-        metrics[f"{part}_human_minus_reference_sd"] = (gap[part]["human_minus_reference_sd"]
-                                                      if gap else nan)
-        extra[f"{part}_accuracy_by_length_difference"] = by_part[part][
-            "accuracy_by_length_difference"]
-    return metrics, extra
-
-
-def print_summary(metrics, extra):
-    """The final report: both scores side by side, then the length bins and the gap."""
-    print(f"\n{metrics['heldout_pairs']} held-out pairs; the longer summary wins "
-          f"{metrics['length_baseline_accuracy']:.3f} of them ({extra['length_ties']} ties "
-          f"count one half); length weight w = {metrics['length_weight']:.3f}")
-    print(f"{'':34}{'content':>22}{'full':>22}")
-    rows = [("held-out accuracy [Wilson 95%]", lambda p: f"{metrics[p + '_heldout_accuracy']:.3f} "
-             f"[{metrics[p + '_wilson_low']:.3f}, {metrics[p + '_wilson_high']:.3f}]"),
-            (f"shorter preferred ({extra['shorter_preferred_pairs']} pairs)",
-             lambda p: f"{metrics[p + '_shorter_preferred_accuracy']:.3f}"),
-            ("corr(score, length)", lambda p: f"{metrics[p + '_score_length_correlation']:+.3f}"),
-            ("human - reference (reference SDs)",
-             lambda p: f"{metrics[p + '_human_minus_reference_sd']:+.2f}")]
-    for name, bins in (("0-3", "|dlen| <= 3"), ("4-10", "|dlen| 4-10"), (">10", "|dlen| > 10")):
-        rows.append((f"{bins} ({extra['content_accuracy_by_length_difference'][name]['pairs']}"
-                     " pairs)", lambda p, name=name: "{accuracy:.3f} [{0:.2f}, {1:.2f}]".format(
-                         *extra[p + "_accuracy_by_length_difference"][name]["wilson"],
-                         **extra[p + "_accuracy_by_length_difference"][name])))
-    for name, cell in rows:
-        print(f"{name:34}" + "".join(f"{cell(p):>22}" for p in PARTS))
-    gap = extra["reference_gap"]
-    if gap and gap["content_reference_cut_at_limit"]["samples"]:
-        cut = gap["content_reference_cut_at_limit"]
-        print(f"reference samples on {gap['posts']} held-out posts: "
-              f"{gap['reference_eos_fraction']:.0%} end in an EOS; content score of those "
-              f"cut at the limit {cut['mean_read_at_an_appended_eos']:+.2f} read at an appended "
-              f"EOS (as PPO now does), {cut['mean_read_at_the_last_token']:+.2f} at their last "
-              "token (before)")
-    for name, what in (("human_reserve", "human TL;DRs, ppo.py's evaluation posts"),
-                       ("human_heldout", "human TL;DRs, held-out posts"),
-                       ("samples_heldout", "SmolLM2's samples, held-out posts")):
-        if r := extra["relevance"].get(name):
-            print(f"relevance, {what}: own beats another post's of the same length "
-                  f"{r['accuracy']:.3f} [{r['wilson_low']:.3f}, {r['wilson_high']:.3f}] "
-                  f"({r['pairs']} pairs); under its own post minus another's "
-                  f"{r['gap_sd']:+.2f} ± {r['gap_sd_se']:.2f} SDs")
-    print(f"trained on {metrics['train_pairs']} pairs ({metrics['reference_pairs']} reference "
-          f"pairs, {metrics['off_post_pairs']} + {metrics['off_post_sample_pairs']} off-post); "
-          f"{metrics['seconds']:.0f} s in all")
-    for part in PARTS:
-        print(f"verdict, {verdict(metrics, part)}")
+    return {"heldout_chosen": len(heldout_pairs)}
 
 
 if __name__ == "__main__":

@@ -84,6 +84,27 @@ def publish(staging, out):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def write_aside(out, make):
+    """`make(folder)` fills a hidden folder beside `out`, renamed to `out` when it returns
+    (`publish`); a failure removes it and any folder made for it, so `out` is left as it
+    was. Under torchrun only rank 0 writes: the others make into a scratch folder that goes.
+    Returns what `make` returned."""
+    if not parallel.is_main():
+        with tempfile.TemporaryDirectory() as scratch:
+            make(Path(scratch))
+        return None
+    out = Path(out).resolve()
+    with cli.new_folders(out.parent):
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            made = make(staging)
+            publish(staging, out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return made
+
+
 def has_checkpoint(run_dir):
     return (Path(run_dir) / "checkpoint" / "state.json").is_file()
 

@@ -25,12 +25,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import loaders  # noqa: E402
 import lora  # noqa: E402
+import ppo  # noqa: E402
 import reward_model as rm  # noqa: E402
+from support import rm_data, rm_report  # noqa: E402
 
 METRIC_KEYS = {"heldout_accuracy", "wilson_low", "wilson_high", "heldout_pairs",
                "length_baseline_accuracy", "shorter_preferred_accuracy", "train_pairs",
                "seconds", "default_part", "length_weight", "length_matched_accuracy",
-               "reference_pairs"} | {
+               "reference_pairs", "off_post_pairs", "off_post_sample_pairs",
+               "relevance_gap_sd", "relevance_gap_sd_se"} | {
+    f"{kind}_{key}" for kind in ("relevance", "relevance_sample")
+    for key in ("accuracy", "wilson_low", "wilson_high", "pairs")} | {
     f"{part}_{key}" for part in ("content", "full")
     for key in ("heldout_accuracy", "wilson_low", "wilson_high", "shorter_preferred_accuracy",
                 "score_length_correlation", "human_minus_reference_sd")}
@@ -74,9 +79,9 @@ def test_bt_loss_is_unchanged_by_a_constant_added_to_both_scores():
 
 
 def test_wilson_interval_matches_the_textbook_value():
-    low, high = rm.wilson_interval(0.5, 100)          # p = 1/2, n = 100: 0.4038 to 0.5962
+    low, high = rm_report.wilson_interval(0.5, 100)          # p = 1/2, n = 100: 0.4038 to 0.5962
     assert (low, high) == pytest.approx((0.40383, 0.59617), abs=1e-5)
-    low, high = rm.wilson_interval(1.0, 10)           # 10 of 10: low = n / (n + z^2), not 1
+    low, high = rm_report.wilson_interval(1.0, 10)           # 10 of 10: low = n / (n + z^2), not 1
     assert low == pytest.approx(10 / (10 + 1.96 ** 2), abs=1e-9) and high == pytest.approx(1.0)
 
 
@@ -100,7 +105,7 @@ def response_batch(tokenizer):
     """Two left-padded prompts; one response ends in EOS, the other runs to the limit."""
     prompts = ["SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: short.\n\nTL;DR:",
                "SUBREDDIT: r/b\n\nTITLE: a longer title\n\nPOST: one. two.\n\nTL;DR:"]
-    prompt_ids, prompt_mask = rm.pad([tokenizer(p).input_ids for p in prompts], 2, "left",
+    prompt_ids, prompt_mask = rm_data.pad([tokenizer(p).input_ids for p in prompts], 2, "left",
                                      "cpu")                                  # (2, P)
     response_ids = torch.tensor([[500, 600, 2, 2, 2], [700, 800, 900, 1000, 1100]])  # (2, 5)
     response_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])         # up to the EOS
@@ -146,9 +151,9 @@ def test_pair_metrics_on_hand_counted_pairs():
     r_l = torch.tensor([0.0, 3.0, 0.0, 4.0, 2.0])        # right, wrong, tie, right, wrong
     len_w = torch.tensor([10, 5, 20, 30, 8])
     len_l = torch.tensor([12, 20, 20, 10, 8])             # |dlen| 2, 15, 0, 20, 0
-    m = rm.pair_metrics(r_w, r_l, len_w, len_l)
+    m = rm_report.pair_metrics(r_w, r_l, len_w, len_l)
     assert m["heldout_accuracy"] == pytest.approx(2.5 / 5)
-    assert (m["wilson_low"], m["wilson_high"]) == pytest.approx(rm.wilson_interval(0.5, 5))
+    assert (m["wilson_low"], m["wilson_high"]) == pytest.approx(rm_report.wilson_interval(0.5, 5))
     assert m["shorter_preferred_accuracy"] == pytest.approx(0.5)    # pairs 1 and 2: 1 of 2
     bins = m["accuracy_by_length_difference"]
     assert [bins[b]["pairs"] for b in ("0-3", "4-10", ">10")] == [3, 0, 2]
@@ -157,14 +162,14 @@ def test_pair_metrics_on_hand_counted_pairs():
     scores, lengths = torch.cat([r_w, r_l]), torch.cat([len_w, len_l]).double()
     want = torch.corrcoef(torch.stack([scores.double(), lengths]))[0, 1].item()
     assert m["score_length_correlation"] == pytest.approx(want)
-    perfect = rm.pair_metrics(len_w.float(), len_l.float(), len_w, len_l)
+    perfect = rm_report.pair_metrics(len_w.float(), len_l.float(), len_w, len_l)
     assert perfect["score_length_correlation"] == pytest.approx(1.0)
 
 
 def test_human_minus_reference_sd_on_known_numbers():
     # reference 1, 2, 3: mean 2, sample SD 1; human mean 4 -> 2 SDs above
-    assert rm.human_minus_reference_sd([3.0, 5.0], [1.0, 2.0, 3.0]) == pytest.approx(2.0)
-    assert rm.human_minus_reference_sd([0.0], [1.0, 3.0]) == pytest.approx(-2 / math.sqrt(2))
+    assert rm_report.human_minus_reference_sd([3.0, 5.0], [1.0, 2.0, 3.0]) == pytest.approx(2.0)
+    assert rm_report.human_minus_reference_sd([0.0], [1.0, 3.0]) == pytest.approx(-2 / math.sqrt(2))
 
 
 def test_reference_pairs_carry_no_length_difference_and_skip_evaluation_posts():
@@ -174,7 +179,7 @@ def test_reference_pairs_carry_no_length_difference_and_skip_evaluation_posts():
             "summary": "my cat ate my homework"}
     human = tokenizer(" my cat ate my homework").input_ids
     samples = [(list(range(1000, 1030)), False), ([1000, 1001], True), ([], True)]
-    pairs = rm.reference_pairs(tokenizer, [post] * 3, samples, config)
+    pairs = rm_data.reference_pairs(tokenizer, [post] * 3, samples, config)
     assert len(pairs) == 2                                    # the empty sample is skipped
     long, short = pairs
     assert long["chosen"] == human + [2] and long["rejected"] == list(range(1000, 1000 +
@@ -182,9 +187,9 @@ def test_reference_pairs_carry_no_length_difference_and_skip_evaluation_posts():
     assert long["chosen_tokens"] == long["rejected_tokens"] == len(human)   # dg = 0
     assert short["rejected"] == [1000, 1001, 2] and short["rejected_tokens"] == 2
     c = {"title": " t ", "chosen_policy": "ref", "rejected_policy": "sup4"}
-    assert rm.serves_in_evaluation(c, {"t"})
-    assert not rm.serves_in_evaluation({**c, "chosen_policy": "sup2"}, {"t"})
-    assert not rm.serves_in_evaluation(c, {"another title"})
+    assert rm_data.serves_in_evaluation(c, {"t"})
+    assert not rm_data.serves_in_evaluation({**c, "chosen_policy": "sup2"}, {"t"})
+    assert not rm_data.serves_in_evaluation(c, {"another title"})
 
 
 def test_training_moves_f_but_never_w(comparisons):
@@ -192,7 +197,7 @@ def test_training_moves_f_but_never_w(comparisons):
     with torch.no_grad():
         model.length_weight.fill_(1.3)
     config = rm.Config(**{**rm.PRESETS["tiny"], "lr": 1e-2, "head_lr": 1e-2})
-    pairs = rm.prepare_pairs(tokenizer, comparisons[:4], config)
+    pairs = rm_data.prepare_pairs(tokenizer, comparisons[:4], config)
     head = model.head.weight.detach().clone()
     rm.train_step(model, rm.make_optimizer(model, config), pairs)
     assert model.length_weight.item() == pytest.approx(1.3)
@@ -204,7 +209,7 @@ def test_training_moves_f_but_never_w(comparisons):
 def test_loss_decreases_on_a_tiny_fixed_set(comparisons):
     model, tokenizer = tiny_model()
     config = rm.Config(**{**rm.PRESETS["tiny"], "lr": 1e-2, "head_lr": 1e-2})
-    pairs = rm.prepare_pairs(tokenizer, comparisons[:4], config)
+    pairs = rm_data.prepare_pairs(tokenizer, comparisons[:4], config)
     optimizer = rm.make_optimizer(model, config)
     losses = [rm.train_step(model, optimizer, pairs)[0] for _ in range(15)]
     assert len(pairs) == 4
@@ -225,7 +230,7 @@ def check_padding(model, sequences, tol):
     with torch.no_grad():
         alone = torch.cat([model(torch.tensor([s]), ones(s)) for s in sequences])  # (B,)
         for side in ("right", "left"):
-            ids, mask = rm.pad(sequences, 2, side, "cpu")                  # (B, L)
+            ids, mask = rm_data.pad(sequences, 2, side, "cpu")                  # (B, L)
             assert (model(ids, mask) - alone).abs().max().item() < tol, side
             junk = torch.full((len(sequences), 5), 2)                      # (B, 5) more pads
             zeros = torch.zeros(len(sequences), 5, dtype=torch.long)
@@ -250,7 +255,7 @@ def test_shared_prompt_pass_equals_full_passes_in_value_and_gradient():
     shared.sum().backward()
     grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
     model.zero_grad()
-    ids, mask = rm.pad([prompts[o] + s for o, s in zip(owner, summaries)], 2, "right", "cpu")
+    ids, mask = rm_data.pad([prompts[o] + s for o, s in zip(owner, summaries)], 2, "right", "cpu")
     full = model(ids, mask)                                                # (5,)
     full.sum().backward()
     assert (shared - full).abs().max().item() < 1e-5
@@ -264,9 +269,9 @@ def test_score_ids_reads_the_response_eos_after_a_left_padded_prompt():
     prompts = ["SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: short.\n\nTL;DR:",
                "SUBREDDIT: r/b\n\nTITLE: a longer title\n\nPOST: one. two. three.\n\nTL;DR:"]
     summaries = ["ok", "a somewhat longer summary here"]
-    encoded = [rm.encode(tokenizer, p, s, 24) for p, s in zip(prompts, summaries)]
-    prompt_ids, prompt_mask = rm.pad([p for p, _ in encoded], 2, "left", "cpu")   # (B, P)
-    response_ids, _ = rm.pad([s + [2, 2] for _, s in encoded], 2, "right", "cpu")  # (B, T)
+    encoded = [rm_data.encode(tokenizer, p, s, 24) for p, s in zip(prompts, summaries)]
+    prompt_ids, prompt_mask = rm_data.pad([p for p, _ in encoded], 2, "left", "cpu")   # (B, P)
+    response_ids, _ = rm_data.pad([s + [2, 2] for _, s in encoded], 2, "right", "cpu")  # (B, T)
     response_mask = torch.zeros_like(response_ids)                         # (B, T)
     for i, (_, s) in enumerate(encoded):
         response_mask[i, :len(s)] = 1             # up to and including the first EOS only
@@ -288,22 +293,22 @@ def test_padding_on_the_real_model():
         pytest.skip(f"SmolLM2-135M not available offline: {error}")
     with torch.no_grad():
         sequences = rows((5, 19), seed=4)
-        right = model(*rm.pad(sequences, 2, "right", "cpu"))
-        left = model(*rm.pad(sequences, 2, "left", "cpu"))
+        right = model(*rm_data.pad(sequences, 2, "right", "cpu"))
+        left = model(*rm_data.pad(sequences, 2, "left", "cpu"))
     assert (right - left).abs().max().item() < 1e-4   # fp32 through 30 layers: ~1e-6 seen
 
 
 # ------------------------------------------------------------------ data and the script
 
 def test_no_heldout_post_appears_in_training(comparisons):
-    train, heldout = rm.split_comparisons(comparisons, 0.25, seed=0)
+    train, heldout = rm_data.split_comparisons(comparisons, 0.25, seed=0)
     train_posts = {c["post_id"] for c in train}
     heldout_posts = {c["post_id"] for c in heldout}
     assert train_posts.isdisjoint(heldout_posts)
     assert len(train) + len(heldout) == len(comparisons)
     assert len(heldout) >= 300                    # the issue's minimum, with the default split
     # the split depends on the post id only: a comparison's side never changes with order
-    again, _ = rm.split_comparisons(list(reversed(comparisons)), 0.25, seed=0)
+    again, _ = rm_data.split_comparisons(list(reversed(comparisons)), 0.25, seed=0)
     assert {c["post_id"] for c in again} == train_posts
 
 
@@ -339,6 +344,13 @@ def test_tiny_preset_runs_end_to_end_in_under_a_minute(tmp_path, comparisons):
     assert metrics["train_pairs"] == 16 + metrics["reference_pairs"]
     assert 0 < metrics["reference_pairs"] <= 4 and 0 < metrics["heldout_pairs"] <= 32
     assert metrics["default_part"] == "content"
+    assert metrics["off_post_pairs"] == metrics["off_post_sample_pairs"] == 0    # off by default
+    # relevance on ppo.py's evaluation posts that no training comparison holds (~200 here)
+    assert metrics["relevance_pairs"] > 100 and 0 <= metrics["relevance_accuracy"] <= 1
+    assert (metrics["relevance_wilson_low"] <= metrics["relevance_accuracy"]
+            <= metrics["relevance_wilson_high"])
+    assert set(metrics["extra"]["relevance"]) == {"human_reserve", "human_heldout",
+                                                  "samples_heldout"}
     gap = metrics["extra"]["reference_gap"]
     for part in ("content", "full"):
         assert metrics[f"{part}_human_minus_reference_sd"] == pytest.approx(
@@ -352,7 +364,7 @@ def test_tiny_preset_runs_end_to_end_in_under_a_minute(tmp_path, comparisons):
     # The saved model reproduces the run's own scores of the first held-out pair, from text.
     model = rm.load_reward_model(out)
     probe = metrics["extra"]["probe"]
-    _, heldout = rm.split_comparisons(comparisons, 0.25, seed=0)
+    _, heldout = rm_data.split_comparisons(comparisons, 0.25, seed=0)
     first = heldout[0]
     assert first["post_id"] == probe["post_id"]
     tokenizer = loaders.load_tokenizer()
@@ -365,7 +377,7 @@ def test_tiny_preset_runs_end_to_end_in_under_a_minute(tmp_path, comparisons):
 
 def test_length_neighbours_pair_each_item_with_the_next_longer():
     lengths = [5, 1, 3, 3, 9]
-    pairs = rm.length_neighbours(lengths, seed=0)
+    pairs = rm_data.length_neighbours(lengths, seed=0)
     assert len(pairs) == 4                                     # all but the longest lead once
     assert sorted(lengths[i] for i, _ in pairs) == [1, 3, 3, 5]
     for i, j in pairs:
@@ -379,7 +391,7 @@ def test_off_post_pairs_put_the_posts_own_summary_first_at_equal_length():
     EOS: equal *_tokens, so g(y) of (R5) cancels. Identical cut summaries make no pair."""
     prompts = [[100], [200], [300], [400]]
     summaries = [[1, 1, 1], [2, 2, 2, 2, 2], [3, 3], [1, 1]]    # post 3's cut = post 0's cut
-    pairs = rm.off_post_pairs(prompts, summaries, ["a", "b", "c", "d"], eos_id=9, seed=0)
+    pairs = rm_data.off_post_pairs(prompts, summaries, ["a", "b", "c", "d"], eos_id=9, seed=0)
     owner = {"a": 0, "b": 1, "c": 2, "d": 3}
     assert 1 <= len(pairs) <= 3
     for p in pairs:
@@ -394,29 +406,27 @@ def test_off_post_pairs_put_the_posts_own_summary_first_at_equal_length():
 
 
 def judge(reads_post):
-    """A stand-in for score_grouped: +1 for each summary token equal to the prompt's first
-    token (a judge that reads the post), or the summary's length (one that does not)."""
-    def score(model, prompts, summaries, batch_rows=32, progress=False, split=False):
+    """A stand-in for the reward model's scores: +1 for each summary token equal to the
+    prompt's first token (a judge that reads the post), or the summary's length (one that
+    does not)."""
+    def score(prompts, summaries):
         return torch.tensor([float(sum(t == p[0] for t in s)) if reads_post else float(len(s))
                              for p, s in zip(prompts, summaries)])
     return score
 
 
-def test_relevance_tells_a_judge_that_reads_the_post_from_one_that_does_not(monkeypatch):
+def test_relevance_tells_a_judge_that_reads_the_post_from_one_that_does_not():
     prompts = [[1], [2], [3], [4], [5]]
     summaries = [[1] * 2, [2] * 3, [3] * 3, [4] * 5, [5] * 2]
-    model = type("Model", (), {"settings": {"eos_id": 0}})()
-    monkeypatch.setattr(rm, "score_grouped", judge(reads_post=True))
-    got = rm.relevance(model, prompts, summaries, seed=0)
+    got = rm_report.relevance(judge(reads_post=True), 0, prompts, summaries, seed=0)
     # own summary: every token matches its post; a neighbour's: none does
     assert got["accuracy"] == 1.0 and got["pairs"] == 4 and got["posts"] == 5
-    assert got["wilson_low"] == pytest.approx(rm.wilson_interval(1.0, 4)[0])
+    assert got["wilson_low"] == pytest.approx(rm_report.wilson_interval(1.0, 4)[0])
     # home scores of the 4 leading posts are their lengths, away scores 0: gap = mean / SD
-    moved = rm.length_neighbours([len(s) for s in summaries], 0)
+    moved = rm_data.length_neighbours([len(s) for s in summaries], 0)
     home = torch.tensor([float(len(summaries[p])) for p, _ in moved], dtype=torch.float64)
     assert got["gap_sd"] == pytest.approx((home.mean() / home.std()).item())
-    monkeypatch.setattr(rm, "score_grouped", judge(reads_post=False))
-    got = rm.relevance(model, prompts, summaries, seed=0)
+    got = rm_report.relevance(judge(reads_post=False), 0, prompts, summaries, seed=0)
     assert got["accuracy"] == 0.5                              # equal lengths: every pair a tie
     assert got["gap_sd"] == 0.0 and got["gap_sd_se"] == 0.0
 
@@ -427,10 +437,10 @@ def test_off_post_training_pairs_leak_no_reserved_or_heldout_post(tldr_posts, to
     config = rm.parse_config(["--preset", "tiny", "--reference-pairs", "6", "--off-post-pairs",
                               "40", "--off-post-sample-pairs", "4"])
     posts = tldr_posts[:120]
-    reserved = {p["title"].strip() for p in posts[:30]}
-    heldout = [{"title": p["title"]} for p in posts[30:50]]
-    _, human, own, _, _ = rm.sample_reference_phase(config, tokenizer, posts, reserved,
-                                                    heldout, [], "cpu")
+    data = rm_data.Data(comparisons=[], tldr_posts=posts, train=[],
+                        heldout=[{"title": p["title"]} for p in posts[30:50]],
+                        reserved={p["title"].strip() for p in posts[:30]})
+    _, human, own, _, _ = rm_data.sample_reference_phase(config, tokenizer, data, [], "cpu")
     allowed = {p["id"] for p in posts[50:]}
     assert len(human) == 40 and 1 <= len(own) <= 4
     for pair in human + own:
@@ -438,3 +448,12 @@ def test_off_post_training_pairs_leak_no_reserved_or_heldout_post(tldr_posts, to
         assert pair["chosen_tokens"] == pair["rejected_tokens"]
     assert {p["kind"] for p in human} == {"off_post"} and {p["kind"] for p in own} == {
         "off_post_sample"}
+
+
+def test_the_reference_is_sampled_with_ppos_settings():
+    """support/rm_data samples SmolLM2 with the post's settings itself (it does not import
+    ppo.py): they must stay ppo.py's defaults."""
+    cfg = ppo.Config()
+    assert rm_data.POST_SAMPLING == {"max_new_tokens": cfg.max_new_tokens,
+                                     "temperature": cfg.temperature, "top_k": cfg.top_k,
+                                     "top_p": cfg.top_p}
