@@ -349,7 +349,8 @@ def print_gain(r):
           f"{r['rouge_l']:.3f} ({ref['rouge_l']:.3f}), gain {r['rouge_l_gain_over_ref']:+.3f} ± "
           f"{r['rouge_l_gain_over_ref_se']:.3f}; own post retrieved, MRR "
           f"{r['retrieval_mrr']:.3f} ({ref['retrieval_mrr']:.3f}; {human['retrieval_mrr']:.3f}), "
-          f"gain {r['retrieval_mrr_gain_over_ref']:+.3f} ± {r['retrieval_mrr_gain_over_ref_se']:.3f}"
+          f"gain {r['retrieval_mrr_gain_over_ref']:+.3f} ± "
+          f"{r['retrieval_mrr_gain_over_ref_se']:.3f}"
           f"; judge's relevance gap {r['relevance_gap']:+.2f} ({ref['relevance_gap']:+.2f}; "
           f"{human['relevance_gap']:+.2f}); ends in ? {r['question_fraction']:.2f} "
           f"({ref['question_fraction']:.2f}; {human['question_fraction']:.2f})")

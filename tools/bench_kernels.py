@@ -1,7 +1,7 @@
 """Benchmark: time and peak extra memory of the log-prob gather, forward plus backward.
 
-    python -m tools.bench_kernels                          (all four sizes, 3 rounds; ~7 min on 2 cores)
-    python -m tools.bench_kernels --sizes 768x49152 --rounds 1                          (a quick look)
+    python -m tools.bench_kernels                  (all four sizes, 3 rounds; ~7 min on 2 cores)
+    python -m tools.bench_kernels --sizes 768x49152 --rounds 1                    (a quick look)
 
 Each row of the table is one path at one size, forward and backward with a random upstream
 gradient dL/dlogp (what PPO's loss sends back):
@@ -186,7 +186,8 @@ def available_bytes():
 
 
 def measure(path, rows, V, device, dtype):
-    cmd = [sys.executable, "-m", "tools.bench_kernels", "--worker", path, str(rows), str(V), device, dtype]
+    cmd = [sys.executable, "-m", "tools.bench_kernels", "--worker", path, str(rows), str(V),
+           device, dtype]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"{path} at {rows}x{V} failed:\n{out.stderr[-2000:]}")

@@ -22,7 +22,7 @@ them out. The ratios in the table are all against the fp32 post.
 
 Run:  python -m tools.bench_ppo                  (about 12 minutes on a 2-core CPU)
       python -m tools.bench_ppo --iterations 3 --micro-batch 4
-      python -m tools.bench_ppo --check-gpu [--dry-run]   (one command that checks a GPU: check_gpu.py)
+      python -m tools.bench_ppo --check-gpu [--dry-run]   (checks a GPU: tools/check_gpu.py)
 """
 
 import argparse

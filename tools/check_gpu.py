@@ -147,8 +147,8 @@ def step_ppo(dry_run, models_dir):
     iterations = 2 if dry_run else 3
     out = {}
     for label, model, preset, precision, launcher in variants:
-        command = launcher + ["-m", "tools.check_gpu", "--ppo-worker", model or "", preset, precision,
-                              str(iterations)]
+        command = launcher + ["-m", "tools.check_gpu", "--ppo-worker", model or "", preset,
+                              precision, str(iterations)]
         code, output = run(command, 1800)
         line = [x for x in output.splitlines() if x.startswith("RESULT ")]
         if code or not line:
