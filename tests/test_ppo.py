@@ -26,7 +26,7 @@ import loaders
 import ppo
 import reward_model as rm
 from support import measures, report
-from tools import compare_estimators
+from tools import compare_estimators, same_numbers
 from gae import advantages_and_returns, response_mask, shaped_rewards, whiten
 from lora import with_lora
 
@@ -862,3 +862,29 @@ def test_check_gpu_dry_run_and_its_one_line_without_a_gpu(tmp_path):
         assert result.stderr.strip().splitlines() == [
             "tools.bench_ppo: error: no GPU found (torch.cuda.is_available() is False); "
             "--dry-run checks the command on the CPU"]
+
+
+def test_same_numbers_finds_a_moved_number_and_lists_added_keys(tmp_path, capsys):
+    """tools/same_numbers, the redesign's check: the same bits pass; a changed number, text
+    or iteration fails; a key only the new run has is an addition, not a difference; the
+    time a run took is ignored."""
+    run = {"config": {"out": "a"}, "commits": ["x"], "iterations": [{"reward": 0.5}],
+           "final": {"reward": -0.14, "samples": [{"text": "hi", "reward": 1.0}]}}
+    metrics = {"heldout_accuracy": 0.672, "seconds": 1599.0, "extra": {"sampling_seconds": 9}}
+    for name, data in (("before", (run, metrics)), ("after", (run, metrics))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(data[0]))
+        (tmp_path / name / "metrics.json").write_text(json.dumps(data[1]))
+    before, after = str(tmp_path / "before"), str(tmp_path / "after")
+    assert same_numbers.main([before, after]) == 0
+    changed = {**run, "config": {"out": "b"}, "final": {**run["final"], "new_measure": 3}}
+    (tmp_path / "after" / "results.json").write_text(json.dumps(changed))
+    (tmp_path / "after" / "metrics.json").write_text(json.dumps({**metrics, "seconds": 9.0}))
+    assert same_numbers.main([before, after]) == 0       # another --out, a new key, the time
+    assert "added: results.json.final.new_measure" in capsys.readouterr().out
+    for broken in ({**run, "final": {**run["final"], "reward": -0.15}},
+                   {**run, "iterations": []},
+                   {**run, "final": {**run["final"], "samples": [{"text": "ho", "reward": 1.0}]}}):
+        (tmp_path / "after" / "results.json").write_text(json.dumps(broken))
+        assert same_numbers.main([before, after]) == 1
+    assert "DIFFERS: results.json.final.samples[0].text: 'hi' != 'ho'" in capsys.readouterr().out
