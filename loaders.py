@@ -347,7 +347,7 @@ def no_data(what):
     return (f"no {what}: no --data-dir, no ${DATA_ENV}, no folder {SHARED_DATA}, and the hub "
             f"did not answer within {HUB_TIMEOUT:.0f} s; pass --data-dir DIR or set "
             f"{DATA_ENV}=DIR (a folder laid out like the project's shared/data: see "
-            "README, Offline), or run where huggingface.co answers")
+            "docs/robustness.md), or run where huggingface.co answers")
 
 
 def hub_dataset(what, *args, **kwargs):

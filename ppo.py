@@ -180,7 +180,7 @@ PRESETS = {
     # 64 held-out posts: at 32, a gain of +0.32 (paired SD over posts ~1.3) was 1.4 SE; at
     # 64 the same gain would be 2 SE.
     "cpu": dict(iterations=36, batch=8, prompt_tokens=128, micro_batch=4, eval_prompts=64,
-                lr=5e-4, value_lr=5e-4, checkpoint_every=6),   # 21-45 s an iteration (README)
+                lr=5e-4, value_lr=5e-4, checkpoint_every=6),   # 21-45 s an iteration, 2 cores
     # Seconds, for tests: the tiny random model (loaders.tiny_model) and a tiny reward model.
     "tiny": dict(iterations=3, batch=4, prompt_tokens=64, max_new_tokens=8, micro_batch=2,
                  eval_prompts=4, checkpoint_every=2),

@@ -122,7 +122,7 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
     samples = rollouts(policy, reference, reward, tokenizer, held_out, cfg, device)
     with loaders.precision(cfg, device):
         outside_measures(samples, held_out, reward, tokenizer)
-    # Paired over the held-out posts: d_i = r_policy,i - r_ref,i (evaluate.py)
+    # Paired over the held-out posts: d_i = r_policy,i - r_ref,i (support/measures.py)
     gain, gain_se = paired_gain([s["reward"] for s in samples],
                                 [s["reward"] for s in ref_samples])
     last20 = results["iterations"][-20:]

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node N ppo.py [flags]           N processes, one machine
     torchrun --nnodes M --nproc_per_node N --node_rank I \\
              --rdzv_backend c10d --rdzv_endpoint HOST:29500 --rdzv_id RUN ppo.py [flags]
-                                                                      M machines (README)
+                                                                      M machines (docs/torchrun.md)
 
 Every process (a rank) holds the whole model and takes an equal share of each batch. Its
 gradients are summed with the others' by one all-reduce (torch.distributed: NCCL on CUDA, gloo

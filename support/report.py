@@ -395,7 +395,7 @@ def sweep_summary(table, baseline):
 
 
 def sweep_markdown(summary, baseline, failed):
-    """The post's table as Markdown (printed, and saved as sweep.md for the README)."""
+    """The post's table as Markdown (printed, and saved as sweep.md for docs/sweep.md)."""
     lines = ["| beta | runs | reward: mean ± SE over seeds | worst to best | gain over (ref) "
              "| fluency, worst to best (per token) | KL | length | distinct-2 | EOS | copied "
              "| value loss |",

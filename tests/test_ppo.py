@@ -845,8 +845,8 @@ def test_the_ratio_is_exactly_one_on_cuda_in_bf16(estimator, tiny_reward_model, 
 
 
 def test_check_gpu_dry_run_and_its_one_line_without_a_gpu(tmp_path):
-    """`python -m tools.bench_ppo --check-gpu --dry-run`: the three steps at toy sizes on the CPU, one
-    table, the JSON; without --dry-run on a machine with no GPU, one line and status 1."""
+    """`python -m tools.bench_ppo --check-gpu --dry-run`: the three steps at toy sizes on the
+    CPU, one table, the JSON; without --dry-run on a machine with no GPU, one line and status 1."""
     out = run("-m", "tools.bench_ppo", "--check-gpu", "--dry-run", "--out",
               str(tmp_path / "gc.json"), timeout=900)
     report = json.loads((tmp_path / "gc.json").read_text())

@@ -11,8 +11,8 @@ compared, with `support.report.differences`, exactly unless --rel says otherwise
 Keys that only AFTER has are additions, listed but not differences (a change may add a
 measure without moving any). Exit status 0 when nothing differs, 1 otherwise.
 
-On another CPU some figures drift by design (README: "Which figures repeat where"); compare
-runs from one machine.
+On another CPU some figures drift by design (docs/reward_model.md, "Which figures repeat
+where"); compare runs from one machine.
 Test: pytest tests/test_ppo.py -k same_numbers
 """
 import argparse
