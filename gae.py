@@ -207,8 +207,9 @@ def _from_group_min(R, group):
     subtract without rounding (Sterbenz), so a near tie keeps its true, tiny spread. Summing
     the raw R instead rounds: 3 or 8 equal float32 rewards can sum to k R +- 1 ulp, and the
     "mean" then sits beside every one of them. R, group: (B,) -> (B,)"""
-    low = torch.full((int(group.max()) + 1,), float("inf"), dtype=R.dtype, device=R.device)
-    low = low.scatter_reduce(0, group, R, reduce="amin")
+    low = torch.full((int(group.max()) + 1,), float("inf"), dtype=R.dtype,
+                     device=R.device)                                   # (groups,)
+    low = low.scatter_reduce(0, group, R, reduce="amin")               # (groups,) minima
     return R - low[group]
 
 

@@ -35,6 +35,7 @@ import math
 import torch
 
 from gae import ended_with_eos  # noqa: F401  (the EOS test, kept with the masks)
+from support.quality import ends_with_question
 
 
 def copied_bigrams(summary_ids, prompt_ids):
@@ -103,7 +104,7 @@ def per_post(samples, keys, ref_samples=None):
 
 def question_fraction(texts):
     """The share of `texts` whose last non-blank character is '?' (0.0 for no texts)."""
-    return sum(t.rstrip().endswith("?") for t in texts) / max(len(texts), 1)
+    return sum(map(ends_with_question, texts)) / max(len(texts), 1)
 
 
 def median_sample(samples):

@@ -298,14 +298,17 @@ def sample_reference_phase(config, tokenizer, data, encoded, device):
     print(f"sampled the reference policy on {len(posts) + len(encoded)} posts in "
           f"{time.time() - t:.0f} s: {len(pairs)} reference pairs for training "
           f"(departure 7), {len(encoded)} samples for the held-out gap")
-    eos = tokenizer.eos_token_id
-    human = off_post_pairs([tokenizer(p["prompt"]).input_ids for p in pool],
-                           [tokenizer(" " + p["summary"]).input_ids[:config.max_summary_tokens]
-                            for p in pool], [p["id"] for p in pool], eos, config.seed,
-                           "off_post")[:config.off_post_pairs]
-    own = off_post_pairs([tokenizer(p["prompt"]).input_ids for p in posts],
-                         [ids for ids, _ in samples], [p["id"] for p in posts], eos,
-                         config.seed, "off_post_sample")[:config.off_post_sample_pairs]
+    eos, human, own = tokenizer.eos_token_id, [], []
+    if config.off_post_pairs:                    # tokenizing the whole pool is not free
+        human = off_post_pairs([tokenizer(p["prompt"]).input_ids for p in pool],
+                               [tokenizer(" " + p["summary"]).input_ids[
+                                   :config.max_summary_tokens] for p in pool],
+                               [p["id"] for p in pool], eos, config.seed,
+                               "off_post")[:config.off_post_pairs]
+    if config.off_post_sample_pairs:
+        own = off_post_pairs([tokenizer(p["prompt"]).input_ids for p in posts],
+                             [ids for ids, _ in samples], [p["id"] for p in posts], eos,
+                             config.seed, "off_post_sample")[:config.off_post_sample_pairs]
     if config.off_post_pairs or config.off_post_sample_pairs:
         print(f"off-post pairs (departure 9): {len(human)} of human TL;DRs from {len(pool)} "
               f"posts, {len(own)} of SmolLM2's samples from {len(posts)}")
