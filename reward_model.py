@@ -144,6 +144,8 @@ class Config:
                                     "(departure 9); 0 = off")
     off_post_sample_pairs: int = option(0, "the same with SmolLM2's samples (those drawn for "
                                            "--reference-pairs, so at most that many); 0 = off")
+    off_post_negatives: int = option(1, "other posts' summaries each post's own beats in "
+                                        "off-post pairs (its nearest in length)")
     model: str = loaders.POLICY_NAME             # --model and --data-dir come from loaders
     data_dir: str = ""
 
@@ -169,7 +171,7 @@ RANGES = {"seed": cli.NON_NEGATIVE, "epochs": cli.COUNT, "max_pairs": cli.NON_NE
           "min_heldout_pairs": cli.NON_NEGATIVE, "max_heldout_pairs": cli.NON_NEGATIVE,
           "eval_batch": cli.COUNT, "reference_pairs": cli.NON_NEGATIVE,
           "sample_batch": cli.COUNT, "off_post_pairs": cli.NON_NEGATIVE,
-          "off_post_sample_pairs": cli.NON_NEGATIVE}
+          "off_post_sample_pairs": cli.NON_NEGATIVE, "off_post_negatives": cli.COUNT}
 
 # The two scores a saved model gives (R5), and the one ppo.py maximises unless told.
 # `content` by default: the length term is what PPO exploited when it was part of the
@@ -493,8 +495,12 @@ def train_step(model, optimizer, batch):
     optimizer.zero_grad()
     loss_sum = right = 0.0
     if k:                                        # a rank may get none of a short last batch
-        owner = torch.arange(k).repeat(2)        # (2k,) rows 0..k-1 chosen, k..2k-1 rejected
-        f = model.forward_shared([p["prompt"] for p in mine],
+        # Each distinct prompt is read once for all its pairs (forward_shared): rows 0..k-1
+        # are the chosen summaries, k..2k-1 the rejected ones.
+        prompts = list(dict.fromkeys(tuple(p["prompt"]) for p in mine))   # in order
+        index = {prompt: i for i, prompt in enumerate(prompts)}
+        owner = torch.tensor([index[tuple(p["prompt"])] for p in mine]).repeat(2)   # (2k,)
+        f = model.forward_shared([list(p) for p in prompts],
                                  [p["chosen"] for p in mine] + [p["rejected"] for p in mine],
                                  owner)                                     # (2k,)
         tokens = [p["chosen_tokens"] for p in mine] + [p["rejected_tokens"] for p in mine]
@@ -515,8 +521,10 @@ def train_step(model, optimizer, batch):
 def train(model, pairs, config):
     """`epochs` passes of (R1) over length-bucketed batches. Returns per-step losses."""
     optimizer = make_optimizer(model, config)
-    longest = lambda p: len(p["prompt"]) + max(len(p["chosen"]), len(p["rejected"]))
-    ordered = sorted(pairs, key=longest)         # similar lengths per batch: little padding
+    # Similar prompt lengths per batch (little padding), and a prompt's pairs side by side,
+    # so a batch reads that prompt once (train_step).
+    ordered = sorted(pairs, key=lambda p: (len(p["prompt"]), p["prompt"],
+                                           max(len(p["chosen"]), len(p["rejected"]))))
     batches = [ordered[i:i + config.batch_pairs]
                for i in range(0, len(ordered), config.batch_pairs)]
     steps, warm = config.epochs * len(batches), max(1, config.epochs * len(batches) // 20)
@@ -663,6 +671,7 @@ def build_for_run(config, device):
                 "length_feature": "log(1 + tokens)",
                 "off_post_pairs": config.off_post_pairs,
                 "off_post_sample_pairs": config.off_post_sample_pairs,
+                "off_post_negatives": config.off_post_negatives,
                 "resolved_from": "random tiny model" if config.preset == "tiny"
                 else loaders.resolve_model(config.model)[0]}
     model, tokenizer = build_reward_model(settings, device)

@@ -21,7 +21,7 @@ import torch
 
 import loaders
 import reward_model as rm
-from support.measures import paired_gain, per_post, standard_error, summarize
+from support.measures import per_post, standard_error, summarize
 from support.quality import (asks_for_help, ends_with_question, paired_difference,
                              retrieval_ranks, rouge_l, samples_page)
 from support.report import (load_baseline, plot_curves, print_gain, print_row,
@@ -48,6 +48,8 @@ def outside_measures(samples, held_out, reward, tokenizer, human=False):
     prompts = [tokenizer(p["prompt"]).input_ids for p in held_out]
     ids = [tokenizer(" " + s["text"]).input_ids[:cut] + [eos] if human else
            s["ids"] if s["eos"] else s["ids"] + [eos] for s in samples]     # read at an EOS
+    # Both sides scored here, the same way (content, these batches), though rollouts scored
+    # home already: a gap of two differently computed numbers would carry their noise.
     home = rm.score_grouped(reward, prompts, ids)                            # (n,)
     away = rm.score_grouped(reward, prompts[1:] + prompts[:1], ids)          # (n,)
     ranks = retrieval_ranks([s["text"] for s in samples],
@@ -122,9 +124,9 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
     samples = rollouts(policy, reference, reward, tokenizer, held_out, cfg, device)
     with loaders.precision(cfg, device):
         outside_measures(samples, held_out, reward, tokenizer)
-    # Paired over the held-out posts: d_i = r_policy,i - r_ref,i (support/measures.py)
-    gain, gain_se = paired_gain([s["reward"] for s in samples],
-                                [s["reward"] for s in ref_samples])
+    # Paired over the held-out posts: d_i = r_policy,i - r_ref,i (support/quality.py)
+    gain, gain_se = paired_difference([s["reward"] for s in samples],
+                                      [s["reward"] for s in ref_samples])
     last20 = results["iterations"][-20:]
     final = {**summarize(samples), "gain_over_ref": gain, "gain_over_ref_se": gain_se,
              **outside_summary(samples, ref_samples),

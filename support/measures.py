@@ -60,19 +60,6 @@ def standard_error(values):
     return torch.tensor(values, dtype=torch.float64).std(correction=1).item() / math.sqrt(n)
 
 
-def paired_gain(policy_rewards, ref_rewards):
-    """(mean of d_i, its standard error), d_i = policy_rewards[i] - ref_rewards[i].
-
-    Both lists are in the order of the held-out posts, so d_i compares two summaries of
-    the same post and the post-to-post variation cancels (a paired difference).
-    """
-    if len(policy_rewards) != len(ref_rewards):
-        raise ValueError(f"paired_gain needs one reference reward per policy reward, got "
-                         f"{len(policy_rewards)} and {len(ref_rewards)}")
-    diffs = [p - r for p, r in zip(policy_rewards, ref_rewards)]
-    return sum(diffs) / len(diffs), standard_error(diffs)
-
-
 def distinct_2(samples):
     """Distinct bigrams over all bigrams of token ids (diversity; 1.0 = no repeats)."""
     bigrams = [tuple(s["ids"][i:i + 2]) for s in samples for i in range(len(s["ids"]) - 1)]

@@ -166,7 +166,7 @@ def paired_difference(a, b):
     """(mean of d_i, its standard error), d_i = a_i - b_i, for two lists over the same posts.
 
     E.g. a = the policy's numbers, b = the reference's: the post-to-post variation cancels.
-    The SE is s / sqrt(n) with the sample SD s (n - 1); 0.0 when n < 2.
+    The SE is s / sqrt(n) with the sample SD s (n - 1); NaN when n < 2 (no spread to see).
     """
     if len(a) != len(b):
         raise ValueError(f"paired_difference needs lists of equal length, got {len(a)} "
@@ -177,7 +177,7 @@ def paired_difference(a, b):
     n = len(d)
     mean = sum(d) / n
     if n < 2:
-        return mean, 0.0
+        return mean, math.nan
     # s^2 = 1/(n-1) sum_i (d_i - mean d)^2,   SE = s / sqrt(n)
     var = sum((x - mean) ** 2 for x in d) / (n - 1)
     return mean, math.sqrt(var / n)

@@ -242,34 +242,36 @@ def reference_pairs(tokenizer, posts, samples, config):
     return pairs
 
 
-def length_neighbours(lengths, seed):
-    """[(i, j)]: each item i but the longest, with j the next one up in length. A seeded
-    shuffle comes first, so items of equal length pair at random, not by their index."""
+def length_neighbours(lengths, seed, k=1):
+    """[(i, j)]: each item i with the k items after it in length order (j no shorter, at
+    most k ranks up), grouped by i in length order. A seeded shuffle comes first, so items
+    of equal length pair at random, not by their index."""
     order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)
     order.sort(key=lambda i: lengths[i])         # stable: equal lengths stay shuffled
-    return list(zip(order, order[1:]))
+    return [(i, j) for rank, i in enumerate(order) for j in order[rank + 1:rank + 1 + k]]
 
 
-def off_post_pairs(prompts, summaries, post_ids, eos_id, seed, kind="off_post"):
-    """Departure 9: under post p, p's own summary beats q's (q: p's length neighbour).
+def off_post_pairs(prompts, summaries, post_ids, eos_id, seed, kind="off_post", negatives=1):
+    """Departure 9: under post p, p's own summary beats q's, for p's `negatives` nearest
+    length neighbours q (`length_neighbours`).
 
     prompts: [prompt ids]; summaries: [summary ids, no EOS], one per post; both sides are
     cut to the shorter of the two and end in EOS, so g(y_w) = g(y_l) and only f learns.
-    Returns the pairs in a seeded random order (take the first n).
+    Returns the pairs grouped by p, in the order the posts were given (take the first n:
+    whole posts, whose prompt the training batches read once for all their pairs).
     """
-    pairs = []
-    for p, q in length_neighbours([len(x) for x in summaries], seed):
+    by_post = [[] for _ in prompts]
+    for p, q in length_neighbours([len(x) for x in summaries], seed, negatives):
         cut = min(len(summaries[p]), len(summaries[q]))
         own, other = summaries[p][:cut], summaries[q][:cut]
         if not cut or own == other:
             continue
-        pairs.append({"post_id": post_ids[p], "prompt": prompts[p], "kind": kind,
-                      "chosen": own + [eos_id], "rejected": other + [eos_id],
-                      "chosen_len": cut, "rejected_len": cut,
-                      "chosen_tokens": cut, "rejected_tokens": cut})
-    random.Random(seed).shuffle(pairs)
-    return pairs
+        by_post[p].append({"post_id": post_ids[p], "prompt": prompts[p], "kind": kind,
+                           "chosen": own + [eos_id], "rejected": other + [eos_id],
+                           "chosen_len": cut, "rejected_len": cut,
+                           "chosen_tokens": cut, "rejected_tokens": cut})
+    return [pair for pairs in by_post for pair in pairs]
 
 
 def sample_reference_phase(config, tokenizer, data, encoded, device):
@@ -303,12 +305,13 @@ def sample_reference_phase(config, tokenizer, data, encoded, device):
         human = off_post_pairs([tokenizer(p["prompt"]).input_ids for p in pool],
                                [tokenizer(" " + p["summary"]).input_ids[
                                    :config.max_summary_tokens] for p in pool],
-                               [p["id"] for p in pool], eos, config.seed,
-                               "off_post")[:config.off_post_pairs]
+                               [p["id"] for p in pool], eos, config.seed, "off_post",
+                               config.off_post_negatives)[:config.off_post_pairs]
     if config.off_post_sample_pairs:
         own = off_post_pairs([tokenizer(p["prompt"]).input_ids for p in posts],
                              [ids for ids, _ in samples], [p["id"] for p in posts], eos,
-                             config.seed, "off_post_sample")[:config.off_post_sample_pairs]
+                             config.seed, "off_post_sample",
+                             config.off_post_negatives)[:config.off_post_sample_pairs]
     if config.off_post_pairs or config.off_post_sample_pairs:
         print(f"off-post pairs (departure 9): {len(human)} of human TL;DRs from {len(pool)} "
               f"posts, {len(own)} of SmolLM2's samples from {len(posts)}")

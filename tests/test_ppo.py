@@ -301,17 +301,9 @@ def test_copied_bigrams():
     assert measures.copied_bigrams([2], prompt) == measures.copied_bigrams([], prompt) == 0.0
 
 
-def test_standard_error_and_paired_gain():
+def test_standard_error():
     assert measures.standard_error([1.0, 2.0, 3.0]) == pytest.approx(1 / 3 ** 0.5)   # s = 1
     assert measures.standard_error([4.0]) != measures.standard_error([4.0])          # NaN
-    gain, se = measures.paired_gain([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])   # d = 1, 2, 3
-    assert gain == pytest.approx(2.0) and se == pytest.approx(1 / 3 ** 0.5)
-    # Pairing: the posts' own spread (here +-10) cancels; unpaired, the SE would be ~6.
-    ref = [10.0, -10.0, 0.0]
-    gain, se = measures.paired_gain([r + d for r, d in zip(ref, [1, 2, 3])], ref)
-    assert gain == pytest.approx(2.0) and se == pytest.approx(1 / 3 ** 0.5)
-    with pytest.raises(ValueError, match="one reference reward per policy reward"):
-        measures.paired_gain([1.0, 2.0], [1.0])
 
 
 def test_summarize_and_per_post_rows():

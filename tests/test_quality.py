@@ -120,8 +120,13 @@ def test_paired_difference_by_hand():
     # d = 2, 3, 4: mean 3; s^2 = ((-1)^2 + 0 + 1^2) / (3 - 1) = 1; SE = 1 / sqrt(3).
     mean, se = paired_difference([3, 5, 7], [1, 2, 3])
     assert mean == pytest.approx(3.0) and se == pytest.approx(1 / math.sqrt(3))
-    # One pair: d = 3, no spread to measure -> SE 0.0.
-    assert paired_difference([5], [2]) == (3.0, 0.0)
+    # Pairing: the posts' own spread (here +-10) cancels; unpaired, the SE would be ~6.
+    ref = [10.0, -10.0, 0.0]
+    mean, se = paired_difference([r + d for r, d in zip(ref, [2, 3, 4])], ref)
+    assert mean == pytest.approx(3.0) and se == pytest.approx(1 / math.sqrt(3))
+    # One pair: d = 3, no spread to measure -> SE NaN.
+    mean, se = paired_difference([5], [2])
+    assert mean == 3.0 and math.isnan(se)
 
 
 def test_paired_difference_bad_input():

@@ -263,6 +263,32 @@ def test_shared_prompt_pass_equals_full_passes_in_value_and_gradient():
         assert (g - p.grad).abs().max().item() < 1e-5 * max(1.0, p.grad.abs().max().item())
 
 
+def test_a_training_step_reads_each_prompt_once_with_the_loss_of_full_passes():
+    """Pairs under the same post share one prompt pass in train_step; the loss is (R1) of
+    the scores that full passes over prompt + summary give."""
+    model, _ = tiny_model()
+    prompts, summaries = rows((9, 25), seed=7), rows((3, 11, 7, 20, 5, 8), seed=8)
+    which = [(0, 0, 1), (1, 2, 3), (0, 4, 5)]          # (prompt, chosen, rejected): post 0 twice
+    batch = [{"prompt": prompts[p], "chosen": summaries[w], "rejected": summaries[l],
+              "chosen_tokens": len(summaries[w]) - 1, "rejected_tokens": len(summaries[l]) - 1}
+             for p, w, l in which]
+    with torch.no_grad():
+        model.length_weight.fill_(0.7)
+        full = []                                          # [(2,)] x 3: chosen, rejected
+        for p, w, l in which:
+            ids, mask = rm_data.pad([prompts[p] + summaries[w], prompts[p] + summaries[l]],
+                                    2, "right", "cpu")
+            full.append(model.score_part(model(ids, mask),
+                                         [len(summaries[w]) - 1, len(summaries[l]) - 1], "full"))
+    expected = rm.bt_loss(torch.stack([r[0] for r in full]), torch.stack([r[1] for r in full]))
+    read, forward_shared = [], model.forward_shared
+    model.forward_shared = lambda p, s, o: read.append(len(p)) or forward_shared(p, s, o)
+    config = rm.Config(**rm.PRESETS["tiny"])
+    loss, _ = rm.train_step(model, rm.make_optimizer(model, config), batch)
+    assert read == [2]                                      # two distinct prompts, not three
+    assert loss == pytest.approx(expected.item(), abs=1e-5)
+
+
 def test_score_ids_reads_the_response_eos_after_a_left_padded_prompt():
     """PPO's layout, [pads, prompt][response, EOS, pads], scores like the bare sequence."""
     model, tokenizer = tiny_model()
@@ -386,6 +412,19 @@ def test_length_neighbours_pair_each_item_with_the_next_longer():
     assert sorted(lengths[j] - lengths[i] for i, j in pairs) == [0, 2, 2, 4]
 
 
+def test_length_neighbours_with_k_take_the_k_next_longer_grouped_by_item():
+    lengths = [5, 1, 3, 3, 9]
+    pairs = rm_data.length_neighbours(lengths, seed=0, k=2)
+    # in length order 1, 3, 3, 5, 9: two after each but the last two, one after 5, none after 9
+    assert len(pairs) == 2 + 2 + 2 + 1
+    firsts = [i for i, _ in pairs]
+    assert firsts == sorted(firsts, key=lambda i: (lengths[i], firsts.index(i)))   # grouped
+    for i, j in pairs:
+        assert lengths[j] >= lengths[i] and i != j
+    assert sorted(lengths[j] for i, j in pairs if lengths[i] == 1) == [3, 3]
+    assert rm_data.length_neighbours(lengths, 0, k=1) == rm_data.length_neighbours(lengths, 0)
+
+
 def test_off_post_pairs_put_the_posts_own_summary_first_at_equal_length():
     """Under post p (its prompt), p's summary beats q's, both cut to the shorter and ended in
     EOS: equal *_tokens, so g(y) of (R5) cancels. Identical cut summaries make no pair."""
@@ -403,6 +442,20 @@ def test_off_post_pairs_put_the_posts_own_summary_first_at_equal_length():
         assert p["chosen_tokens"] == p["rejected_tokens"] == len(p["rejected"]) - 1 == cut
         assert any(p["rejected"][:-1] == s[:cut] for j, s in enumerate(summaries) if j != i)
     assert not [p for p in pairs if p["chosen"] == p["rejected"]]
+
+
+def test_off_post_negatives_give_each_post_its_nearest_in_the_given_order():
+    prompts = [[100], [200], [300], [400], [500]]
+    summaries = [[1] * 6, [2] * 2, [3] * 4, [4] * 3, [5] * 5]      # lengths 6, 2, 4, 3, 5
+    pairs = rm_data.off_post_pairs(prompts, summaries, list("abcde"), eos_id=9, seed=0,
+                                   negatives=2)
+    # by hand, length order b(2) d(3) c(4) e(5) a(6): b beats d, c; d beats c, e; c beats
+    # e, a; e beats a; a is the longest. Pairs come in the posts' given order: a b c d e.
+    got = [(p["post_id"], p["rejected"][0]) for p in pairs]
+    assert got == [("b", 4), ("b", 3), ("c", 5), ("c", 1), ("d", 3), ("d", 5), ("e", 1)]
+    for p in pairs:
+        assert p["chosen_tokens"] == p["rejected_tokens"] == len(p["chosen"]) - 1
+        assert p["chosen"][-1] == p["rejected"][-1] == 9
 
 
 def judge(reads_post):
