@@ -65,11 +65,13 @@ Departures from Stiennon et al. (each repeated at its line):
      48 tokens looks like a training summary cut at 48 tokens, not like nothing seen before.
   9. `--off-post-pairs N` (`--off-post-sample-pairs M`): "under post p, p's own human TL;DR
      (SmolLM2 sample) beats another post's", RRM (Liu et al. 2024, arXiv:2409.13156), with
-     both cut to equal length so only f learns, from departure 7's posts. People's
-     comparisons never reward reading the post (both summaries are of it); the relevance
-     metrics test it on posts never trained on.
-Speed, exact: a pair's two summaries share one pass over their prompt (its keys and values
-are cached and copied), which causal attention makes identical to two full passes (tested).
+     both cut to equal length so only f learns, from departure 7's posts; each post against
+     its `--off-post-negatives` nearest in length. People's comparisons never reward
+     reading the post (both summaries are of it); the relevance metrics test it on posts
+     never trained on.
+Speed, exact: a batch reads each distinct prompt once for all the summaries that follow it
+(its keys and values are cached and copied), which causal attention makes identical to one
+full pass per summary (tested); batches are sorted so that a post's pairs share one.
 Elsewhere: the data and the pairs in support/rm_data.py; the metrics and the printed
 report in support/rm_report.py.
 
@@ -518,15 +520,19 @@ def train_step(model, optimizer, batch):
     return parallel.total(loss_sum), parallel.total(right) / len(batch)
 
 
+def batches_of(pairs, size):
+    """Batches of `size` pairs, in an order train() then shuffles. Sorted first, so a batch
+    holds prompts of similar length (little padding) and a post's pairs side by side (its
+    prompt read once: train_step)."""
+    ordered = sorted(pairs, key=lambda p: (len(p["prompt"]), p["prompt"],
+                                           max(len(p["chosen"]), len(p["rejected"]))))
+    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+
 def train(model, pairs, config):
     """`epochs` passes of (R1) over length-bucketed batches. Returns per-step losses."""
     optimizer = make_optimizer(model, config)
-    # Similar prompt lengths per batch (little padding), and a prompt's pairs side by side,
-    # so a batch reads that prompt once (train_step).
-    ordered = sorted(pairs, key=lambda p: (len(p["prompt"]), p["prompt"],
-                                           max(len(p["chosen"]), len(p["rejected"]))))
-    batches = [ordered[i:i + config.batch_pairs]
-               for i in range(0, len(ordered), config.batch_pairs)]
+    batches = batches_of(pairs, config.batch_pairs)
     steps, warm = config.epochs * len(batches), max(1, config.epochs * len(batches) // 20)
     # Linear warm-up over the first 5% of steps, then linear decay to 0.
     schedule = torch.optim.lr_scheduler.LambdaLR(

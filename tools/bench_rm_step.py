@@ -1,0 +1,90 @@
+"""The reward model's training step, its prompts read once per batch (`train_step`) against
+once per pair (the naive way, and this file's before ee62c7c), on the same batches.
+
+    python -m tools.bench_rm_step                                   # cpu preset, 12 batches
+    python -m tools.bench_rm_step --steps 20 -- --off-post-pairs 1024 --off-post-negatives 4
+
+The flags after `--` are reward_model.py's and choose the training pairs: people's
+comparisons and the human off-post pairs (no sampling here, so no reference or sample
+pairs). Batches are drawn at random from `reward_model.batches_of`, as training orders
+them; on each, the two ways run back to back, in alternating order, at the same weights
+(the learning rate is 0). Prints seconds per step, their ratio (mean of per-batch ratios,
+with its SE), the prompt tokens each way reads, and the largest loss difference between
+the two (they compute the same numbers). Time it on an otherwise idle machine.
+"""
+import argparse
+import math
+import random
+import statistics
+import time
+
+import reward_model as rm
+from support import rm_data
+
+
+def per_pair(model):
+    """model.forward_shared as it was called before: one prompt row per pair."""
+    shared = model.forward_shared
+
+    def forward(prompts, summaries, owner):
+        k = len(owner) // 2                     # rows 0..k-1 chosen, k..2k-1 rejected
+        return shared([prompts[o] for o in owner[:k].tolist()], summaries,
+                      owner.new_tensor(list(range(k)) * 2))
+    return forward
+
+
+def timed_step(model, optimizer, batch, naive):
+    """(seconds, loss) of one train_step, reading prompts per pair if `naive`."""
+    if naive:
+        model.forward_shared = per_pair(model)
+    start = time.perf_counter()
+    loss, _ = rm.train_step(model, optimizer, batch)
+    seconds = time.perf_counter() - start
+    model.__dict__.pop("forward_shared", None)  # back to the method
+    return seconds, loss
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12, help="batches to time (default 12)")
+    parser.add_argument("--seed", type=int, default=0, help="which batches (default 0)")
+    parser.add_argument("rm_flags", nargs="*", help="reward_model.py's flags, after --")
+    args = parser.parse_args()
+    config = rm.parse_config(["--preset", "cpu", *args.rm_flags, "--reference-pairs", "0",
+                              "--off-post-sample-pairs", "0"])
+    config.lr = config.head_lr = 0.0             # the same weights for both ways
+    data = rm_data.load_and_split(config)
+    model, tokenizer = rm.build_for_run(config, "cpu")
+    human, _ = rm_data.comparison_pairs(tokenizer, data, config)
+    _, off_post, _, _, _ = rm_data.sample_reference_phase(config, tokenizer, data, [], "cpu")
+    batches = rm.batches_of(human + off_post, config.batch_pairs)
+    chosen = random.Random(args.seed).sample(batches, min(args.steps, len(batches)))
+    optimizer = rm.make_optimizer(model, config)
+    timed_step(model, optimizer, chosen[0], naive=False)            # warm-up, not counted
+    rows = []                                    # (shared s, naive s, shared loss, naive loss)
+    for i, batch in enumerate(chosen):
+        first_naive = i % 2 == 1
+        a = timed_step(model, optimizer, batch, naive=first_naive)
+        b = timed_step(model, optimizer, batch, naive=not first_naive)
+        (s, ls), (n, ln) = (b, a) if first_naive else (a, b)
+        rows.append((s, n, ls, ln))
+    ratios = [n / s for s, n, _, _ in rows]
+    tokens = lambda batch, naive: sum(len(p) for p in (                    # noqa: E731
+        [x["prompt"] for x in batch] if naive else {tuple(x["prompt"]) for x in batch}))
+    shared_tokens = statistics.mean(tokens(b, False) for b in chosen)
+    naive_tokens = statistics.mean(tokens(b, True) for b in chosen)
+    print(f"{len(human)} comparison pairs + {len(off_post)} human off-post pairs "
+          f"(negatives {config.off_post_negatives}), {len(batches)} batches of "
+          f"{config.batch_pairs}; timed {len(rows)}")
+    print(f"{'':28}{'s/step':>10}{'prompt tokens/step':>20}")
+    print(f"{'prompt once per batch':28}{statistics.mean(r[0] for r in rows):10.2f}"
+          f"{shared_tokens:20.0f}")
+    print(f"{'prompt once per pair':28}{statistics.mean(r[1] for r in rows):10.2f}"
+          f"{naive_tokens:20.0f}")
+    se = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else math.nan
+    print(f"per pair / per batch: {statistics.mean(ratios):.2f} x (SE {se:.2f}); largest "
+          f"loss difference {max(abs(r[2] - r[3]) for r in rows):.1e}")
+
+
+if __name__ == "__main__":
+    main()
