@@ -71,7 +71,7 @@ Departures from Stiennon et al. (each repeated at its line):
      never trained on.
 Speed, exact: a batch reads each distinct prompt once for all the summaries that follow it
 (its keys and values are cached and copied), which causal attention makes identical to one
-full pass per summary (tested); batches are sorted so that a post's pairs share one.
+full pass per summary (tested).
 Elsewhere: the data and the pairs in support/rm_data.py; the metrics and the printed
 report in support/rm_report.py.
 
@@ -521,11 +521,11 @@ def train_step(model, optimizer, batch):
 
 
 def batches_of(pairs, size):
-    """Batches of `size` pairs, in an order train() then shuffles. Sorted first, so a batch
-    holds prompts of similar length (little padding) and a post's pairs side by side (its
-    prompt read once: train_step)."""
-    ordered = sorted(pairs, key=lambda p: (len(p["prompt"]), p["prompt"],
-                                           max(len(p["chosen"]), len(p["rejected"]))))
+    """Batches of `size` pairs, in an order train() then shuffles. Sorted by length first,
+    so a batch pads little, and pairs of one post with summaries of similar length often
+    share a batch (their prompt is read once: train_step)."""
+    longest = lambda p: len(p["prompt"]) + max(len(p["chosen"]), len(p["rejected"]))  # noqa
+    ordered = sorted(pairs, key=longest)
     return [ordered[i:i + size] for i in range(0, len(ordered), size)]
 
 
