@@ -325,18 +325,6 @@ def build_reward_model(settings, device="cpu"):
 # ------------------------------------------------------------------ tokens and scoring
 
 
-def fit_prompt_text(tokenizer, prompt, max_tokens):
-    """A prompt string cut to `max_tokens` as training cut it (`loaders.fit_prompt`)."""
-    if len(tokenizer(prompt).input_ids) <= max_tokens:
-        return prompt
-    parsed = loaders.parse_prompt(prompt)
-    fitted = parsed and loaders.fit_prompt(tokenizer, parsed, max_tokens)
-    if not fitted:
-        raise ValueError(f"cannot cut this prompt to {max_tokens} tokens: it must read "
-                         "'SUBREDDIT: r/...TITLE: ...POST: ...TL;DR:' with a short title")
-    return fitted
-
-
 @torch.no_grad()
 def score_grouped(model, prompts, summaries, batch_rows=32, progress=False, split=False):
     """Scores (N,) of summaries[i] after prompts[i] (id lists), on the CPU.
@@ -402,7 +390,7 @@ def score_texts(model, tokenizer, prompts, summaries, max_prompt_tokens=None, ba
                 part=DEFAULT_PART):
     """Scores (B,) of written summaries (human TL;DRs), tokenized as in training."""
     budget = max_prompt_tokens or model.settings["max_prompt_tokens"]
-    encoded = [encode(tokenizer, fit_prompt_text(tokenizer, p, budget), s,
+    encoded = [encode(tokenizer, rm_data.fit_prompt_text(tokenizer, p, budget), s,
                       model.settings["max_summary_tokens"]) for p, s in zip(prompts, summaries)]
     content = score_grouped(model, [p for p, _ in encoded], [s for _, s in encoded], batch_rows)
     return model.score_part(content, [len(s) - 1 for _, s in encoded], part)  # EOS not counted

@@ -133,6 +133,18 @@ def encode(tokenizer, prompt, summary, max_summary_tokens):
     return tokenizer(prompt).input_ids, summary_ids + [tokenizer.eos_token_id]
 
 
+def fit_prompt_text(tokenizer, prompt, max_tokens):
+    """A prompt string cut to `max_tokens` as training cut it (`loaders.fit_prompt`)."""
+    if len(tokenizer(prompt).input_ids) <= max_tokens:
+        return prompt
+    parsed = loaders.parse_prompt(prompt)
+    fitted = parsed and loaders.fit_prompt(tokenizer, parsed, max_tokens)
+    if not fitted:
+        raise ValueError(f"cannot cut this prompt to {max_tokens} tokens: it must read "
+                         "'SUBREDDIT: r/...TITLE: ...POST: ...TL;DR:' with a short title")
+    return fitted
+
+
 def prepare_pairs(tokenizer, comparisons, config):
     """Comparisons -> [{post_id, prompt, chosen, rejected (id lists), *_len, *_tokens}].
 
