@@ -512,8 +512,8 @@ def batches_of(pairs, size):
     """Batches of `size` pairs, in an order train() then shuffles. Sorted by length first,
     so a batch pads little, and pairs of one post with summaries of similar length often
     share a batch (their prompt is read once: train_step)."""
-    longest = lambda p: len(p["prompt"]) + max(len(p["chosen"]), len(p["rejected"]))  # noqa
-    ordered = sorted(pairs, key=longest)
+    ordered = sorted(pairs, key=lambda p: len(p["prompt"]) + max(len(p["chosen"]),
+                                                                  len(p["rejected"])))
     return [ordered[i:i + size] for i in range(0, len(ordered), size)]
 
 

@@ -271,7 +271,7 @@ def off_post_pairs(prompts, summaries, post_ids, eos_id, seed, kind="off_post", 
     prompts: [prompt ids]; summaries: [summary ids, no EOS], one per post; both sides are
     cut to the shorter of the two and end in EOS, so g(y_w) = g(y_l) and only f learns.
     Returns the pairs grouped by p, in the order the posts were given (take the first n:
-    whole posts, whose prompt the training batches read once for all their pairs).
+    whole posts, in the caller's seeded order).
     """
     by_post = [[] for _ in prompts]
     for p, q in length_neighbours([len(x) for x in summaries], seed, negatives):
