@@ -141,11 +141,12 @@ class Config:
     reference_pairs: int = option(1024, "add this many 'human TL;DR beats the reference "
                                          "policy's sample' comparisons (departure 7); 0 = off")
     sample_batch: int = option(32, "prompts per generate call when sampling the reference")
-    off_post_pairs: int = option(0, "add this many 'under post p, p's human TL;DR beats "
-                                    "another post's TL;DR of the same length' comparisons "
-                                    "(departure 9); 0 = off")
-    off_post_sample_pairs: int = option(0, "the same with SmolLM2's samples (those drawn for "
-                                           "--reference-pairs, so at most that many); 0 = off")
+    off_post_pairs: int = option(1600, "add this many 'under post p, p's human TL;DR beats "
+                                       "another post's TL;DR of the same length' comparisons "
+                                       "(departure 9); 0 = off")
+    off_post_sample_pairs: int = option(1024, "the same with SmolLM2's samples (those drawn "
+                                              "for --reference-pairs, so at most that "
+                                              "many); 0 = off")
     off_post_negatives: int = option(1, "other posts' summaries each post's own beats in "
                                         "off-post pairs (its nearest in length)")
     model: str = loaders.POLICY_NAME             # --model and --data-dir come from loaders
@@ -158,10 +159,12 @@ PRESETS = {
     # On a 2-core CPU without AVX-512 (102 GFLOP/s fp32): 287 reference samples in ~5 min,
     # 186 steps of 8 pairs at 5.4 s a step when idle (2.8 s on one with AVX-512), ~25 min in
     # all. `--reference-pairs 0` drops 192 of the samples and 24 of the steps.
-    "cpu": {"max_prompt_tokens": 128, "lora_layers": 8, "reference_pairs": 192},
+    "cpu": {"max_prompt_tokens": 128, "lora_layers": 8, "reference_pairs": 192,
+            "off_post_sample_pairs": 192},
     "tiny": {"max_pairs": 16, "batch_pairs": 4, "max_prompt_tokens": 64, "lora_layers": 1,
              "max_summary_tokens": 24, "min_heldout_pairs": 0, "max_heldout_pairs": 32,
-             "reference_pairs": 4, "sample_batch": 8},
+             "reference_pairs": 4, "sample_batch": 8, "off_post_pairs": 8,
+             "off_post_sample_pairs": 4},
 }
 
 # Every numeric flag's allowed values (cli.py), checked before anything loads.

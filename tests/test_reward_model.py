@@ -367,10 +367,11 @@ def test_tiny_preset_runs_end_to_end_in_under_a_minute(tmp_path, comparisons):
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics) - {"extra"} == METRIC_KEYS
     assert metrics["wilson_low"] <= metrics["heldout_accuracy"] <= metrics["wilson_high"]
-    assert metrics["train_pairs"] == 16 + metrics["reference_pairs"]
+    assert metrics["train_pairs"] == (16 + metrics["reference_pairs"] + metrics["off_post_pairs"]
+                                      + metrics["off_post_sample_pairs"])
     assert 0 < metrics["reference_pairs"] <= 4 and 0 < metrics["heldout_pairs"] <= 32
     assert metrics["default_part"] == "content"
-    assert metrics["off_post_pairs"] == metrics["off_post_sample_pairs"] == 0    # off by default
+    assert metrics["off_post_pairs"] == 8 and 0 < metrics["off_post_sample_pairs"] <= 4   # on
     # relevance on ppo.py's evaluation posts that no training comparison holds (~200 here)
     assert metrics["relevance_pairs"] > 100 and 0 <= metrics["relevance_accuracy"] <= 1
     assert (metrics["relevance_wilson_low"] <= metrics["relevance_accuracy"]
