@@ -68,14 +68,15 @@ Departures from Stiennon et al. (each repeated at its line):
      both cut to equal length so only f learns, from departure 7's posts; each post against
      its `--off-post-negatives` nearest in length. People's comparisons never reward
      reading the post (both summaries are of it); the relevance metrics test it on posts
-     never trained on.
+     never trained on. On by default (cpu: 1,600 human and up to 192 sample pairs; in
+     docs/reward_model.md the 2026-12-01 recipes, the default C among them).
 Speed, exact: a batch reads each distinct prompt once for all the summaries that follow it
 (its keys and values are cached and copied), which causal attention makes identical to one
 full pass per summary (tested).
 Elsewhere: the data and the pairs in support/rm_data.py; the metrics and the printed
 report in support/rm_report.py.
 
-Run:   python reward_model.py                 (cpu preset: ~25 min on a 2-core CPU without AVX-512)
+Run:   python reward_model.py                 (cpu preset: ~55 min on a 2-core CPU without AVX-512)
        python reward_model.py --preset tiny   (toy model, seconds)
        torchrun --standalone --nproc_per_node N reward_model.py     (data-parallel: parallel.py)
 Test:  python -m pytest -q tests/test_reward_model.py
@@ -156,9 +157,9 @@ class Config:
 # Named override sets, printed at start-up; the defaults above are `blog`.
 PRESETS = {
     "blog": {},                                  # every pair, one epoch, CUDA or MPS
-    # On a 2-core CPU without AVX-512 (102 GFLOP/s fp32): 287 reference samples in ~5 min,
-    # 186 steps of 8 pairs at 5.4 s a step when idle (2.8 s on one with AVX-512), ~25 min in
-    # all. `--reference-pairs 0` drops 192 of the samples and 24 of the steps.
+    # On a 2-core CPU without AVX-512 (102 GFLOP/s fp32), idle: 287 reference samples in
+    # 4 min, 410 steps of 8 pairs at 5.0 s a step (186 of them people's and departure 7's,
+    # 224 the off-post pairs), loading and evaluation 16 min: 54 min in all.
     "cpu": {"max_prompt_tokens": 128, "lora_layers": 8, "reference_pairs": 192,
             "off_post_sample_pairs": 192},
     "tiny": {"max_pairs": 16, "batch_pairs": 4, "max_prompt_tokens": 64, "lora_layers": 1,
