@@ -68,8 +68,7 @@ Departures from Stiennon et al. (each repeated at its line):
      both cut to equal length so only f learns, from departure 7's posts; each post against
      its `--off-post-negatives` nearest in length. People's comparisons never reward
      reading the post (both summaries are of it); the relevance metrics test it on posts
-     never trained on. On by default (cpu: 1,600 human and up to 192 sample pairs; in
-     docs/reward_model.md the 2026-12-01 recipes, the default C among them).
+     never trained on. On by default (docs/reward_model.md compares the recipes tried).
 Speed, exact: a batch reads each distinct prompt once for all the summaries that follow it
 (its keys and values are cached and copied), which causal attention makes identical to one
 full pass per summary (tested).
@@ -143,11 +142,9 @@ class Config:
                                          "policy's sample' comparisons (departure 7); 0 = off")
     sample_batch: int = option(32, "prompts per generate call when sampling the reference")
     off_post_pairs: int = option(1600, "add this many 'under post p, p's human TL;DR beats "
-                                       "another post's TL;DR of the same length' comparisons "
-                                       "(departure 9); 0 = off")
-    off_post_sample_pairs: int = option(1024, "the same with SmolLM2's samples (those drawn "
-                                              "for --reference-pairs, so at most that "
-                                              "many); 0 = off")
+                                       "another post's of the same length' (departure 9); 0 = off")
+    off_post_sample_pairs: int = option(1024, "the same with SmolLM2's samples (at most "
+                                              "--reference-pairs of them); 0 = off")
     off_post_negatives: int = option(1, "other posts' summaries each post's own beats in "
                                         "off-post pairs (its nearest in length)")
     model: str = loaders.POLICY_NAME             # --model and --data-dir come from loaders
@@ -157,9 +154,8 @@ class Config:
 # Named override sets, printed at start-up; the defaults above are `blog`.
 PRESETS = {
     "blog": {},                                  # every pair, one epoch, CUDA or MPS
-    # On a 2-core CPU without AVX-512 (102 GFLOP/s fp32), idle: 287 reference samples in
-    # 4 min, 410 steps of 8 pairs at 5.0 s a step (186 of them people's and departure 7's,
-    # 224 the off-post pairs), loading and evaluation 16 min: 54 min in all.
+    # 2-core CPU without AVX-512 (102 GFLOP/s fp32), idle: 287 reference samples in 4 min,
+    # 410 steps of 8 pairs at 5.0 s (224 of them off-post), loading and scoring 16: 54 min.
     "cpu": {"max_prompt_tokens": 128, "lora_layers": 8, "reference_pairs": 192,
             "off_post_sample_pairs": 192},
     "tiny": {"max_pairs": 16, "batch_pairs": 4, "max_prompt_tokens": 64, "lora_layers": 1,
