@@ -71,7 +71,8 @@ Departures from Stiennon et al. (each repeated at its line):
      never trained on. On by default (docs/reward_model.md compares the recipes tried).
 Speed, exact: a batch reads each distinct prompt once for all the summaries that follow it
 (its keys and values are cached and copied), which causal attention makes identical to one
-full pass per summary (tested).
+full pass per summary (tested); scoring reads each post once per call, so each test
+scores all its rows in one call (tools/bench_rm_score.py).
 Elsewhere: the data and the pairs in support/rm_data.py; the metrics and the printed
 report in support/rm_report.py.
 
@@ -568,12 +569,11 @@ def reference_gap(model, encoded, samples, config):
     """
     eos = model.settings["eos_id"]
     prompts = [p for p, _ in encoded]
-    human = score_grouped(model, prompts, [h for _, h in encoded], config.eval_batch,
-                          split=True)
-    sample = score_grouped(model, prompts, [s + [eos] for s, _ in samples], config.eval_batch,
-                           split=True)
-    old = score_grouped(model, prompts, [s + [eos] if ended else s for s, ended in samples],
-                        config.eval_batch, split=True)                      # (n,) each
+    # One call: each post is read once for its three rows (an ended sample's two are one)
+    human, sample, old = score_grouped(
+        model, prompts * 3, [h for _, h in encoded] + [s + [eos] for s, _ in samples]
+        + [s + [eos] if ended else s for s, ended in samples], config.eval_batch,
+        split=True).split(len(encoded))                                     # (n,) each
     ended = torch.tensor([e for _, e in samples])                           # (n,) bool
     out = {"posts": len(encoded), "reference_eos_fraction": ended.double().mean().item()}
     for part in PARTS:

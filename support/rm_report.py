@@ -7,8 +7,8 @@ here builds or trains a model. The equation numbers are reward_model.py's:
     pair_metrics        accuracy, accuracy where people chose the shorter summary, the
                         score-length correlation, accuracy by length difference
     human_minus_reference_sd    people's TL;DRs above SmolLM2's samples, in sample SDs
-    relevance, relevance_sets, relevance_metrics    departure 9's test, on posts never
-                        trained on: does the judge read the post?
+    relevance_rows, relevance, relevance_sets, relevance_metrics    departure 9's test,
+                        on posts never trained on: does the judge read the post?
     collect_metrics, print_summary, verdict, plot    metrics.json, the printed summary,
                         loss.png and margins.png
 Test: pytest tests/test_reward_model.py
@@ -81,6 +81,23 @@ def human_minus_reference_sd(human, reference):
 
 # ------------------------------------------------------------ relevance (departure 9)
 
+def relevance_rows(prompts, summaries, eos, seed):
+    """The rows `relevance` scores, as one list: (prompts, summaries, sizes).
+
+    Four kinds, in this order: under post p its own summary and its length neighbour q's,
+    both cut to the shorter (`off_post_pairs`: n rows each); then p's uncut summary under p
+    and under q (`length_neighbours`: m rows each). sizes = [n, n, m, m]. Every row's
+    prompt is one of `prompts`, so a grouped scorer reads each post once for all of them.
+    """
+    pairs = off_post_pairs(prompts, summaries, list(range(len(prompts))), eos, seed)
+    moved = length_neighbours([len(x) for x in summaries], seed)            # [(p, q)]
+    rows_p = ([p["prompt"] for p in pairs] * 2 + [prompts[p] for p, _ in moved]
+              + [prompts[q] for _, q in moved])
+    rows_s = ([p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+              + [summaries[p] + [eos] for p, _ in moved] * 2)
+    return rows_p, rows_s, [len(pairs), len(pairs), len(moved), len(moved)]
+
+
 def relevance(score, eos, prompts, summaries, seed):
     """Does the judge read the post? On posts never trained on, two measures:
 
@@ -90,20 +107,16 @@ def relevance(score, eos, prompts, summaries, seed):
         f(x_p, y_p) - f(x_q, y_p), averaged, in SDs of f(x_p, y_p) over the posts; with
         its SE. 0 means the score ignores the post.
     score(prompts, summaries) -> (n,): the judge's content scores of id lists (summaries end
-    in `eos`); prompts: [prompt ids]; summaries: [summary ids, no EOS]. Returns a dict.
+    in `eos`), called once; prompts: [prompt ids]; summaries: [summary ids, no EOS].
     """
-    pairs = off_post_pairs(prompts, summaries, list(range(len(prompts))), eos, seed)
-    own = score([p["prompt"] for p in pairs], [p["chosen"] for p in pairs])      # (n,)
-    other = score([p["prompt"] for p in pairs], [p["rejected"] for p in pairs])  # (n,)
+    rows_p, rows_s, sizes = relevance_rows(prompts, summaries, eos, seed)
+    own, other, home, away = score(rows_p, rows_s).split(sizes)             # (n,) x2, (m,) x2
     accuracy = pairwise_accuracy(own, other)
-    low, high = wilson_interval(accuracy, len(pairs))
-    moved = length_neighbours([len(x) for x in summaries], seed)            # [(p, q)]
-    home = score([prompts[p] for p, _ in moved], [summaries[p] + [eos] for p, _ in moved])
-    away = score([prompts[q] for _, q in moved], [summaries[p] + [eos] for p, _ in moved])
+    low, high = wilson_interval(accuracy, sizes[0])
     # gap_sd = mean_p (f(x_p, y_p) - f(x_q, y_p)) / SD_p f(x_p, y_p)
     sd = home.double().std().item()
-    d = (home - away).double() / sd                                         # (n,)
-    return {"accuracy": accuracy, "wilson_low": low, "wilson_high": high, "pairs": len(pairs),
+    d = (home - away).double() / sd                                         # (m,)
+    return {"accuracy": accuracy, "wilson_low": low, "wilson_high": high, "pairs": sizes[0],
             "gap_sd": d.mean().item(), "gap_sd_se": (d.std() / math.sqrt(len(d))).item(),
             "posts": len(prompts)}
 

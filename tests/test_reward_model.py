@@ -485,6 +485,25 @@ def test_relevance_tells_a_judge_that_reads_the_post_from_one_that_does_not():
     assert got["gap_sd"] == 0.0 and got["gap_sd_se"] == 0.0
 
 
+def test_relevance_scores_every_row_in_one_call_under_the_given_posts():
+    """One call, so score_grouped reads each post once for all four kinds of row."""
+    prompts = [[1], [2], [3], [4], [5]]
+    summaries = [[1] * 2, [2] * 3, [3] * 3, [4] * 5, [5] * 2]
+    calls = []
+
+    def counting(p, s):
+        calls.append((p, s))
+        return judge(reads_post=True)(p, s)
+    rm_report.relevance(counting, 0, prompts, summaries, seed=0)
+    rows_p, rows_s, sizes = rm_report.relevance_rows(prompts, summaries, 0, seed=0)
+    assert len(calls) == 1 and calls[0] == (rows_p, rows_s) and sizes == [4, 4, 4, 4]
+    assert {tuple(p) for p in rows_p} <= {tuple(p) for p in prompts}
+    # home and away: the same uncut summary (with EOS) under its own post, then another's
+    home, away = rows_s[8:12], rows_s[12:]
+    assert home == away and all(s[-1] == 0 for s in home)
+    assert all(a != b for a, b in zip(rows_p[8:12], rows_p[12:]))
+
+
 def test_off_post_training_pairs_leak_no_reserved_or_heldout_post(tldr_posts, tokenizer):
     """The human and sample off-post pairs come only from posts departure 7 may use: none of
     ppo.py's evaluation posts, none of this split's held-out posts."""
