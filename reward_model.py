@@ -71,8 +71,7 @@ Departures from Stiennon et al. (each repeated at its line):
      never trained on. On by default (docs/reward_model.md compares the recipes tried).
 Speed, exact: a batch reads each distinct prompt once for all the summaries that follow it
 (its keys and values are cached and copied), which causal attention makes identical to one
-full pass per summary (tested); scoring reads each post once per call, so each test
-scores all its rows in one call (tools/bench_rm_score.py).
+full pass per summary (tested); relevance and the gap score their rows in one call each.
 Elsewhere: the data and the pairs in support/rm_data.py; the metrics and the printed
 report in support/rm_report.py.
 
@@ -327,13 +326,14 @@ def build_reward_model(settings, device="cpu"):
 
 
 @torch.no_grad()
-def score_grouped(model, prompts, summaries, batch_rows=32, progress=False, split=False):
+def score_grouped(model, prompts, summaries, batch_rows=32, progress="", split=False):
     """Scores (N,) of summaries[i] after prompts[i] (id lists), on the CPU.
 
     Each distinct prompt is read once and each distinct (prompt, summary) scored once;
     prompts of similar length share a batch of about `batch_rows` summaries. `split`: under
     torchrun each rank scores its share of the rows and every rank gets all N scores (a
-    collective: every rank calls it); nothing changes in one process.
+    collective: every rank calls it); nothing changes in one process. `progress`: a label
+    for a progress bar (none if empty).
     """
     if split:
         mine = parallel.mine(range(len(prompts)))        # every row in one process
@@ -348,7 +348,7 @@ def score_grouped(model, prompts, summaries, batch_rows=32, progress=False, spli
             batches, batch, rows = batches + [batch], [], 0
     batches += [batch] if batch else []
     scores = {}
-    for batch in tqdm(batches, desc="score", unit="batch", disable=not progress, leave=False):
+    for batch in tqdm(batches, desc=progress, unit="batch", disable=not progress, leave=False):
         rows = [(i, s) for i, p in enumerate(batch) for s in groups[p]]
         got = model.forward_shared(batch, [s for _, s in rows],
                                    torch.tensor([i for i, _ in rows]))      # (rows,)
@@ -549,7 +549,7 @@ def evaluate(model, pairs, config):
     n = len(pairs)
     f = score_grouped(model, [p["prompt"] for p in pairs] * 2,
                       [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
-                      config.eval_batch, progress=True, split=True)       # (2n,) content
+                      config.eval_batch, progress="score", split=True)    # (2n,) content
     len_w = torch.tensor([p["chosen_len"] for p in pairs])                  # (n,) tokens
     len_l = torch.tensor([p["rejected_len"] for p in pairs])                # (n,) tokens
     tokens = [p["chosen_tokens"] for p in pairs] + [p["rejected_tokens"] for p in pairs]
@@ -573,7 +573,7 @@ def reference_gap(model, encoded, samples, config):
     human, sample, old = score_grouped(
         model, prompts * 3, [h for _, h in encoded] + [s + [eos] for s, _ in samples]
         + [s + [eos] if ended else s for s, ended in samples], config.eval_batch,
-        split=True).split(len(encoded))                                     # (n,) each
+        "reference gap", split=True).split(len(encoded))                    # (n,) each
     ended = torch.tensor([e for _, e in samples])                           # (n,) bool
     out = {"posts": len(encoded), "reference_eos_fraction": ended.double().mean().item()}
     for part in PARTS:
@@ -636,7 +636,7 @@ def run(config, staging, start):
     metrics.update(train_pairs=len(train_pairs), reference_pairs=len(extra_pairs),
                    off_post_pairs=len(off_human), off_post_sample_pairs=len(off_sample))
     # Departure 9's measure, on posts never trained on: does the judge read the post?
-    score = lambda p, s: score_grouped(model, p, s, config.eval_batch, split=True)  # noqa
+    score = lambda p, s: score_grouped(model, p, s, config.eval_batch, "relevance", True)  # noqa
     extra["relevance"] = rm_report.relevance_sets(
         score, tokenizer, rm_data.evaluation_reserve(tokenizer, data, config), encoded,
         gap_samples, config)
