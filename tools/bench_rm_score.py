@@ -20,7 +20,7 @@ import torch
 
 import loaders
 import reward_model as rm
-from support import rm_data, rm_report
+from support import cli, rm_data, rm_report
 
 
 def timed(model, calls, batch_rows):
@@ -30,13 +30,13 @@ def timed(model, calls, batch_rows):
     return time.perf_counter() - start, scores
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reward-model", default="runs/reward_model",
                         help="a folder written by reward_model.py (default runs/reward_model)")
     parser.add_argument("--posts", type=int, default=64, help="posts to test (default 64)")
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds (default 2)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model = rm.load_reward_model(args.reward_model)
     config = rm.parse_config(["--preset", "cpu", "--seed", str(model.settings["seed"]),
                               "--max-prompt-tokens", str(model.settings["max_prompt_tokens"])])
@@ -70,4 +70,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)     # a missing or bad --reward-model: one line, not a traceback
