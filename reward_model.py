@@ -82,6 +82,7 @@ Test:  python -m pytest -q tests/test_reward_model.py
 Use:   model = load_reward_model("runs/reward_model")
        r = score_ids(model, p, pm, y, ym, part="content")      # or part="full"
 """
+import functools
 import inspect
 import json
 import math
@@ -330,10 +331,9 @@ def score_grouped(model, prompts, summaries, batch_rows=32, progress="", split=F
     """Scores (N,) of summaries[i] after prompts[i] (id lists), on the CPU.
 
     Each distinct prompt is read once and each distinct (prompt, summary) scored once;
-    prompts of similar length share a batch of about `batch_rows` summaries. `split`: under
-    torchrun each rank scores its share of the rows and every rank gets all N scores (a
-    collective: every rank calls it); nothing changes in one process. `progress`: a label
-    for a progress bar (none if empty).
+    prompts of similar length share a batch of about `batch_rows` summaries; `progress`
+    labels a progress bar (none if ""). `split`: under torchrun each rank scores its share
+    of the rows and every rank gets all N scores (a collective); nothing changes in one process.
     """
     if split:
         mine = parallel.mine(range(len(prompts)))        # every row in one process
@@ -636,7 +636,8 @@ def run(config, staging, start):
     metrics.update(train_pairs=len(train_pairs), reference_pairs=len(extra_pairs),
                    off_post_pairs=len(off_human), off_post_sample_pairs=len(off_sample))
     # Departure 9's measure, on posts never trained on: does the judge read the post?
-    score = lambda p, s: score_grouped(model, p, s, config.eval_batch, "relevance", True)  # noqa
+    score = functools.partial(score_grouped, model, batch_rows=config.eval_batch,  # (p, s)
+                              progress="relevance", split=True)
     extra["relevance"] = rm_report.relevance_sets(
         score, tokenizer, rm_data.evaluation_reserve(tokenizer, data, config), encoded,
         gap_samples, config)

@@ -7,8 +7,9 @@ here builds or trains a model. The equation numbers are reward_model.py's:
     pair_metrics        accuracy, accuracy where people chose the shorter summary, the
                         score-length correlation, accuracy by length difference
     human_minus_reference_sd    people's TL;DRs above SmolLM2's samples, in sample SDs
-    relevance_rows, relevance, relevance_sets, relevance_metrics    departure 9's test,
-                        on posts never trained on: does the judge read the post?
+    reserve_ids, relevance_rows, relevance, relevance_sets, relevance_metrics
+                        departure 9's test, on posts never trained on: does the judge
+                        read the post?
     collect_metrics, print_summary, verdict, plot    metrics.json, the printed summary,
                         loss.png and margins.png
 Test: pytest tests/test_reward_model.py
@@ -121,13 +122,17 @@ def relevance(score, eos, prompts, summaries, seed):
             "posts": len(prompts)}
 
 
+def reserve_ids(tokenizer, reserve, max_summary_tokens):
+    """([prompt ids], [human TL;DR ids, no EOS]) of `reserve`: [(fitted prompt, post)]."""
+    return ([tokenizer(prompt).input_ids for prompt, _ in reserve],
+            [tokenizer(" " + p["summary"]).input_ids[:max_summary_tokens] for _, p in reserve])
+
+
 def relevance_sets(score, tokenizer, reserve, encoded, samples, config):
     """`relevance` on three sets of posts never trained on: human TL;DRs of ppo.py's
     evaluation reserve (`reserve`: [(fitted prompt, post)], posts of no training comparison)
     and of this split's held-out posts (`encoded`), and SmolLM2's samples for the latter."""
-    sets = {"human_reserve": ([tokenizer(prompt).input_ids for prompt, _ in reserve],
-                              [tokenizer(" " + p["summary"]).input_ids[:config.max_summary_tokens]
-                               for _, p in reserve]),
+    sets = {"human_reserve": reserve_ids(tokenizer, reserve, config.max_summary_tokens),
             "human_heldout": ([p for p, _ in encoded], [h[:-1] for _, h in encoded]),
             "samples_heldout": ([p for p, _ in encoded], [ids for ids, _ in samples])}
     return {name: relevance(score, tokenizer.eos_token_id, prompts, summaries, config.seed)

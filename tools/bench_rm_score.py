@@ -41,11 +41,9 @@ def main(argv=None):
     config = rm.parse_config(["--preset", "cpu", "--seed", str(model.settings["seed"]),
                               "--max-prompt-tokens", str(model.settings["max_prompt_tokens"])])
     data = rm_data.load_and_split(config)
-    _, tokenizer = loaders.load_policy_and_tokenizer(config.model, device="cpu")
+    tokenizer = loaders.load_tokenizer(config.model)
     reserve = rm_data.evaluation_reserve(tokenizer, data, config)[:args.posts]
-    prompts = [tokenizer(prompt).input_ids for prompt, _ in reserve]
-    summaries = [tokenizer(" " + p["summary"]).input_ids[:config.max_summary_tokens]
-                 for _, p in reserve]
+    prompts, summaries = rm_report.reserve_ids(tokenizer, reserve, config.max_summary_tokens)
     rows_p, rows_s, sizes = rm_report.relevance_rows(prompts, summaries,
                                                      tokenizer.eos_token_id, config.seed)
     one = [(rows_p, rows_s)]
