@@ -13,6 +13,8 @@ folder. So `ppo.py` and `reward_model.py`:
        traceback; `--debug` (or RLHF_DEBUG=1) shows the traceback of a UserError too.
     3. leave --out as it was when they fail: `out_problem` refuses an --out that cannot be
        written before any work, and `new_folders` removes the folders a failed run made.
+       SIGTERM (`kill`, a batch scheduler, torchrun stopping its workers) counts as a
+       failure: `run_script` turns it into SystemExit, so that cleanup runs before exit.
 
 Used by: ppo.py, reward_model.py, loaders.py, report.py. Tests: tests/test_cli.py.
 """
@@ -22,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,15 +145,37 @@ def new_folders(path, keep=lambda path: False):
 def run_script(main, argv=None):
     """Run a script's `main(argv)`. A UserError ends it with one line on stderr and exit
     status 1 (`--debug` or RLHF_DEBUG=1: the traceback instead); anything else is a bug
-    and keeps its traceback."""
+    and keeps its traceback. SIGTERM ends it with one line and status 143 (128 + 15), after
+    the cleanup of `new_folders` and `write_aside` has run: Python's default for SIGTERM is
+    to die on the spot, leaving a half-made run folder behind."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    script = Path(main.__code__.co_filename).name
     try:
-        return main(argv)
+        with stop_on_sigterm(script):
+            return main(argv)
     except UserError as error:
         if "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
-        script = Path(main.__code__.co_filename).name
         sys.exit(f"{script}: error: {' '.join(str(error).split())}")
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(script):
+    """Inside this block SIGTERM raises SystemExit(143), so `finally` and `except
+    BaseException` blocks run. The old handler comes back after. Only the main thread may
+    set a handler; elsewhere (a test's worker thread) this does nothing."""
+    def stop(signum, frame):
+        print(f"{script}: stopped by SIGTERM", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:                              # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def add_debug_flag(parser):

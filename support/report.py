@@ -220,10 +220,6 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
     rng = parallel.rng_states()                 # a collective: before rank 0 goes its way
     if not parallel.is_main():
         return
-    staging = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint-"))
-    save_adapter(policy, staging / "adapter.safetensors")
-    if value_head is not None:
-        save_file(value_head.state_dict(), str(staging / "value_head.safetensors"))
     tensors, scalars = {}, {}
     for i, state in optimizer.state_dict()["state"].items():
         for key, value in state.items():
@@ -233,11 +229,16 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
                 scalars[f"{i}.{key}"] = float(value)
     for rank, state in enumerate(rng):
         tensors["rng.torch" + (f".{rank}" if rank else "")] = state
-    save_file(tensors, str(staging / "optimizer_rng.safetensors"))
-    write_json(staging / "state.json", {"iteration": iteration, "beta": controller_beta,
-                                        "reinforce_baseline": reinforce_baseline,
-                                        "optimizer_scalars": scalars})
-    publish(staging, Path(run_dir) / "checkpoint")
+
+    def make(staging):                          # a stop half-way leaves the old checkpoint
+        save_adapter(policy, staging / "adapter.safetensors")
+        if value_head is not None:
+            save_file(value_head.state_dict(), str(staging / "value_head.safetensors"))
+        save_file(tensors, str(staging / "optimizer_rng.safetensors"))
+        write_json(staging / "state.json", {"iteration": iteration, "beta": controller_beta,
+                                            "reinforce_baseline": reinforce_baseline,
+                                            "optimizer_scalars": scalars})
+    write_aside(Path(run_dir) / "checkpoint", make)
 
 
 def load_checkpoint(run_dir, policy, value_head, optimizer):

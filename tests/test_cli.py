@@ -229,6 +229,43 @@ def test_new_folders_removes_only_what_a_failed_run_made(tmp_path):
     assert (target / "checkpoint").is_dir()
 
 
+# A script stopped by `kill` while it fills a new run folder (new_folders, as ppo.py) and a
+# staging folder beside another output (write_aside, as reward_model.py).
+STOPPED_SCRIPT = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from support import cli
+from support.report import write_aside
+
+def main(argv):
+    out = Path(argv[0])
+    with cli.new_folders(out / "sweep" / "beta0_seed0"):
+        def make(staging):
+            (staging / "adapter.safetensors").write_text("half")
+            print("ready", flush=True)
+            time.sleep(60)
+        write_aside(out / "reward_model", make)
+
+cli.run_script(main)
+"""
+
+
+def test_sigterm_leaves_no_half_made_folder(tmp_path):
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED_SCRIPT.format(root=str(ROOT)))
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, str(script), str(out)], text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.readline().strip() == "ready"
+    assert (out / "sweep" / "beta0_seed0").is_dir() and len(list(out.iterdir())) == 2
+    process.terminate()                                     # SIGTERM, as `kill` sends
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 143, err
+    assert not out.exists()                     # the run folder, the staging folder, out
+    assert err.strip().splitlines() == ["stopped.py: stopped by SIGTERM"]
+
+
 def test_the_template_token_count_is_the_tokenizers(tokenizer):
     empty = loaders.format_prompt("", "", "")
     assert len(tokenizer(empty).input_ids) == loaders.PROMPT_TEMPLATE_TOKENS
