@@ -10,14 +10,17 @@ here builds or trains a model. The equation numbers are reward_model.py's:
     reserve_ids, relevance_rows, relevance, relevance_sets, relevance_metrics
                         departure 9's test, on posts never trained on: does the judge
                         read the post?
+    tfidf_score         the same test's yardstick: word overlap with the post, no training
     collect_metrics, print_summary, verdict, plot    metrics.json, the printed summary,
                         loss.png and margins.png
 Test: pytest tests/test_reward_model.py
 """
+import functools
 import math
 
 import torch
 
+from support.quality import cosine, idf_weights, tfidf_vector
 from support.rm_data import length_neighbours, off_post_pairs
 
 
@@ -128,25 +131,43 @@ def reserve_ids(tokenizer, reserve, max_summary_tokens):
             [tokenizer(" " + p["summary"]).input_ids[:max_summary_tokens] for _, p in reserve])
 
 
+def tfidf_score(tokenizer, prompts, summaries):
+    """A judge that never trained, for `relevance`'s `score`: (n,) the TF-IDF cosine of each
+    summary's words with its post's (support/quality.py; idf fitted on the distinct posts of
+    this call). On the judge's own pairs it says how far word overlap alone gets: where it
+    does no better than chance, the summaries hardly say which post they are about."""
+    posts = {tuple(p): tokenizer.decode(p) for p in prompts}               # prompt -> text
+    idf = idf_weights(list(posts.values()))
+    vectors = {p: tfidf_vector(text, idf) for p, text in posts.items()}
+    return torch.tensor([cosine(tfidf_vector(tokenizer.decode(s, skip_special_tokens=True), idf),
+                                vectors[tuple(p)]) for p, s in zip(prompts, summaries)])
+
+
 def relevance_sets(score, tokenizer, reserve, encoded, samples, config):
     """`relevance` on three sets of posts never trained on: human TL;DRs of ppo.py's
     evaluation reserve (`reserve`: [(fitted prompt, post)], posts of no training comparison)
-    and of this split's held-out posts (`encoded`), and SmolLM2's samples for the latter."""
+    and of this split's held-out posts (`encoded`), and SmolLM2's samples for the latter.
+    Each set also under `tfidf_score` (its "tfidf" key), on the same pairs."""
     sets = {"human_reserve": reserve_ids(tokenizer, reserve, config.max_summary_tokens),
             "human_heldout": ([p for p, _ in encoded], [h[:-1] for _, h in encoded]),
             "samples_heldout": ([p for p, _ in encoded], [ids for ids, _ in samples])}
-    return {name: relevance(score, tokenizer.eos_token_id, prompts, summaries, config.seed)
+    words_only = functools.partial(tfidf_score, tokenizer)
+    eos, seed = tokenizer.eos_token_id, config.seed
+    return {name: {**relevance(score, eos, prompts, summaries, seed),
+                   "tfidf": relevance(words_only, eos, prompts, summaries, seed)}
             for name, (prompts, summaries) in sets.items() if len(prompts) >= 3}
 
 
 def relevance_metrics(sets):
     """metrics.json's relevance keys: human TL;DRs on the evaluation reserve, SmolLM2's
-    samples on the held-out posts (NaN where a set was too small)."""
+    samples on the held-out posts, each with TF-IDF's accuracy on the same pairs (NaN where
+    a set was too small)."""
     nan, out = float("nan"), {}
     for prefix, name in (("relevance", "human_reserve"), ("relevance_sample", "samples_heldout")):
         got = sets.get(name, {})
         for key in ("accuracy", "wilson_low", "wilson_high", "pairs"):
             out[f"{prefix}_{key}"] = got.get(key, nan)
+        out[f"{prefix}_tfidf_accuracy"] = got.get("tfidf", {}).get("accuracy", nan)
     human = sets.get("human_reserve", {})
     out.update(relevance_gap_sd=human.get("gap_sd", nan),
                relevance_gap_sd_se=human.get("gap_sd_se", nan))
@@ -236,8 +257,8 @@ def print_summary(metrics, extra, parts):
         if r := extra["relevance"].get(name):
             print(f"relevance, {what}: own beats another post's of the same length "
                   f"{r['accuracy']:.3f} [{r['wilson_low']:.3f}, {r['wilson_high']:.3f}] "
-                  f"({r['pairs']} pairs); under its own post minus another's "
-                  f"{r['gap_sd']:+.2f} ± {r['gap_sd_se']:.2f} SDs")
+                  f"({r['pairs']} pairs; TF-IDF cosine {r['tfidf']['accuracy']:.3f}); under "
+                  f"its own post minus another's {r['gap_sd']:+.2f} ± {r['gap_sd_se']:.2f} SDs")
     print(f"trained on {metrics['train_pairs']} pairs ({metrics['reference_pairs']} reference "
           f"pairs, {metrics['off_post_pairs']} + {metrics['off_post_sample_pairs']} off-post); "
           f"{metrics['seconds']:.0f} s in all")

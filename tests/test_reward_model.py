@@ -7,6 +7,7 @@ width 64), except one padding check on the real SmolLM2-135M, skipped when it is
 The only arithmetic written out here is the oracles: log(1 + e^-1) for (R1), a textbook
 Wilson interval for (R4), log(1 + tokens) for (R5), and small hand-counted metrics.
 """
+import functools
 import json
 import math
 import os
@@ -35,7 +36,7 @@ METRIC_KEYS = {"heldout_accuracy", "wilson_low", "wilson_high", "heldout_pairs",
                "reference_pairs", "off_post_pairs", "off_post_sample_pairs",
                "relevance_gap_sd", "relevance_gap_sd_se"} | {
     f"{kind}_{key}" for kind in ("relevance", "relevance_sample")
-    for key in ("accuracy", "wilson_low", "wilson_high", "pairs")} | {
+    for key in ("accuracy", "wilson_low", "wilson_high", "pairs", "tfidf_accuracy")} | {
     f"{part}_{key}" for part in ("content", "full")
     for key in ("heldout_accuracy", "wilson_low", "wilson_high", "shorter_preferred_accuracy",
                 "score_length_correlation", "human_minus_reference_sd")}
@@ -502,6 +503,30 @@ def test_relevance_scores_every_row_in_one_call_under_the_given_posts():
     home, away = rows_s[8:12], rows_s[12:]
     assert home == away and all(s[-1] == 0 for s in home)
     assert all(a != b for a, b in zip(rows_p[8:12], rows_p[12:]))
+
+
+class WordTokenizer:
+    """Ids are words: 0 is the EOS (dropped with skip_special_tokens), 1 cat, 2 dog, 3 fish."""
+    eos_token_id = 0
+    vocab = ["<eos>", "cat", "dog", "fish"]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(self.vocab[i] for i in ids if i or not skip_special_tokens)
+
+
+def test_tfidf_score_is_the_cosine_with_the_post_worked_by_hand():
+    prompts, tok = [[1, 1, 3], [2, 3]], WordTokenizer()        # "cat cat fish", "dog fish"
+    got = rm_report.tfidf_score(tok, [prompts[0], prompts[0], prompts[1]], [[1, 0], [2, 0], [3, 0]])
+    # idf over the 2 posts: cat, dog in one: log(3/2) + 1 = a; fish in both: log(3/3) + 1 = 1
+    a = math.log(1.5) + 1
+    # post 0 = (cat 2a, fish 1) / sqrt(4a^2 + 1); "cat" = (cat 1); "dog" shares no word
+    # post 1 = (dog a, fish 1) / sqrt(a^2 + 1); "fish" = (fish 1)
+    assert got.tolist() == pytest.approx([2 * a / math.sqrt(4 * a * a + 1), 0.0,
+                                          1 / math.sqrt(a * a + 1)])
+    # as relevance's yardstick: each post's own one-word summary beats its neighbour's
+    got = rm_report.relevance(functools.partial(rm_report.tfidf_score, tok), 0,
+                              [[1, 1], [2, 2], [3, 3]], [[1], [2], [3]], seed=0)
+    assert got["accuracy"] == 1.0 and got["pairs"] == 2
 
 
 def test_off_post_training_pairs_leak_no_reserved_or_heldout_post(tldr_posts, tokenizer):

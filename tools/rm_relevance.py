@@ -1,0 +1,74 @@
+"""A saved reward model's relevance test, rerun, beside TF-IDF word overlap on the same pairs.
+
+    python -m tools.rm_relevance                          # runs/reward_model
+    python -m tools.rm_relevance --reward-model runs/rm_s1
+
+`python reward_model.py` runs the relevance test (departure 9: under post p, does p's own
+summary beat another post's of the same length?) once, after training, into metrics.json.
+This rebuilds its three sets from the model's seed and preset (config.json, metrics.json):
+the human TL;DRs of ppo.py's evaluation posts, those of the run's held-out posts, and
+SmolLM2's samples for the held-out posts, drawn again with the run's seed. It scores the
+pairs with the saved judge and with `rm_report.tfidf_score`, a judge that never trained,
+and prints both, with the judge's accuracy from metrics.json: on the machine that trained
+the model the two judge columns agree (to float rounding), elsewhere the samples may differ.
+
+Why: a judge can only read in a summary what the summary says. Where TF-IDF cannot tell a
+post's own summary from another post's either, the summaries carry little of their post,
+and no judge should be expected to do much better.
+"""
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import loaders
+import reward_model as rm
+from support import cli, rm_data, rm_report
+
+SETS = (("human_reserve", "human TL;DRs, ppo.py's evaluation posts"),
+        ("human_heldout", "human TL;DRs, held-out posts"),
+        ("samples_heldout", "SmolLM2's samples, held-out posts"))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reward-model", default="runs/reward_model",
+                        help="a folder written by reward_model.py (default runs/reward_model)")
+    args = parser.parse_args(argv)
+    model = rm.load_reward_model(args.reward_model)
+    path = Path(args.reward_model) / "metrics.json"
+    with cli.reading(path, "the metrics.json that reward_model.py writes", KeyError):
+        stored = json.loads(path.read_text())
+        preset = stored["extra"]["preset"]
+    config = rm.parse_config(["--preset", preset, "--seed", str(model.settings["seed"]),
+                              "--max-prompt-tokens", str(model.settings["max_prompt_tokens"]),
+                              "--max-summary-tokens", str(model.settings["max_summary_tokens"])])
+    data = rm_data.load_and_split(config)
+    lm, tokenizer = loaders.load_policy_and_tokenizer(
+        config.model, preset="tiny" if preset == "tiny" else None)
+    encoded, _ = rm_data.heldout_references(tokenizer, data, config)
+    samples = rm_data.sample_reference(lm, tokenizer, [p for p, _ in encoded],
+                                       config.sample_batch, config.seed + 1,
+                                       "sampling (held-out)")       # as sample_reference_phase
+    score = functools.partial(rm.score_grouped, model, batch_rows=config.eval_batch,
+                              progress="relevance")
+    got = rm_report.relevance_sets(score, tokenizer,
+                                   rm_data.evaluation_reserve(tokenizer, data, config),
+                                   encoded, samples, config)
+    print(f"{args.reward_model} (seed {config.seed}, preset {preset}): under post p, p's own "
+          "summary beats another post's of the same length")
+    print(f"{'':40}{'pairs':>6}{'judge [Wilson 95%]':>24}{'in metrics.json':>17}"
+          f"{'TF-IDF [Wilson 95%]':>24}")
+    for name, what in SETS:
+        if name not in got:
+            continue
+        r, t = got[name], got[name]["tfidf"]
+        before = stored["extra"].get("relevance", {}).get(name, {}).get("accuracy")
+        print(f"{what:40}{r['pairs']:6d}"
+              f"{r['accuracy']:8.3f} [{r['wilson_low']:.3f}, {r['wilson_high']:.3f}]"
+              f"{'-' if before is None else format(before, '.3f'):>17}"
+              f"{t['accuracy']:8.3f} [{t['wilson_low']:.3f}, {t['wilson_high']:.3f}]")
+
+
+if __name__ == "__main__":
+    cli.run_script(main)     # a missing or bad --reward-model: one line, not a traceback
