@@ -155,8 +155,8 @@ class Config:
 # Named override sets, printed at start-up; the defaults above are `blog`.
 PRESETS = {
     "blog": {},                                  # every pair, one epoch, CUDA or MPS
-    # 2-core CPU without AVX-512 (102 GFLOP/s fp32), idle: 287 reference samples in 4 min,
-    # 410 steps of 8 pairs at 5.0 s (224 of them off-post), loading and scoring 16: 54 min.
+    # 2-core CPU without AVX-512 (102 GFLOP/s fp32), idle: 287 reference samples in 4-5 min,
+    # 410 steps of 8 pairs at 5.0-6.2 s (224 of them off-post), the rest 9 min: 54-57 min.
     "cpu": {"max_prompt_tokens": 128, "lora_layers": 8, "reference_pairs": 192,
             "off_post_sample_pairs": 192},
     "tiny": {"max_pairs": 16, "batch_pairs": 4, "max_prompt_tokens": 64, "lora_layers": 1,
