@@ -555,3 +555,22 @@ def test_the_reference_is_sampled_with_ppos_settings():
     assert rm_data.POST_SAMPLING == {"max_new_tokens": cfg.max_new_tokens,
                                      "temperature": cfg.temperature, "top_k": cfg.top_k,
                                      "top_p": cfg.top_p}
+
+
+def test_rm_relevance_reruns_a_saved_judges_test_and_repeats_its_numbers(tiny_reward_model):
+    """tools/rm_relevance rebuilds the three sets from the saved seed and preset: on the
+    machine that trained the judge, its accuracies are the ones in metrics.json."""
+    result = subprocess.run([sys.executable, "-m", "tools.rm_relevance", "--reward-model",
+                             str(tiny_reward_model)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    stored = json.loads((tiny_reward_model / "metrics.json").read_text())["extra"]["relevance"]
+    rows = [line.split() for line in result.stdout.splitlines() if "posts" in line
+            and line.split()[-1].endswith("]")]
+    assert len(rows) == len(stored) == 3
+    for row, name in zip(rows, ("human_reserve", "human_heldout", "samples_heldout")):
+        # ... pairs, judge, [low, high], in metrics.json, TF-IDF, [low, high]
+        pairs, judge, before, tfidf = int(row[-8]), float(row[-7]), float(row[-4]), float(row[-3])
+        assert pairs == stored[name]["pairs"]
+        assert judge == before == round(stored[name]["accuracy"], 3)
+        assert tfidf == round(stored[name]["tfidf"]["accuracy"], 3)
