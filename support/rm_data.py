@@ -233,6 +233,13 @@ def sample_reference(lm, tokenizer, prompts, batch, seed, desc):
     return samples
 
 
+def heldout_samples(lm, tokenizer, encoded, config):
+    """SmolLM2's samples for the held-out posts (`encoded`), the gap's and the relevance
+    test's: one draw per run seed, so tools/rm_relevance.py redraws the same ones."""
+    return sample_reference(lm, tokenizer, [p for p, _ in encoded], config.sample_batch,
+                            config.seed + 1, "sampling (held-out)")
+
+
 def reference_pairs(tokenizer, posts, samples, config):
     """Departure 7: pairs "the post's human TL;DR beats the reference policy's sample".
 
@@ -306,8 +313,7 @@ def sample_reference_phase(config, tokenizer, data, encoded, device):
                                               preset="tiny" if config.preset == "tiny" else None)
     samples = sample_reference(lm, tokenizer, [tokenizer(p["prompt"]).input_ids for p in posts],
                                config.sample_batch, config.seed, "sampling (training)")
-    gap_samples = sample_reference(lm, tokenizer, [p for p, _ in encoded], config.sample_batch,
-                                   config.seed + 1, "sampling (held-out)")
+    gap_samples = heldout_samples(lm, tokenizer, encoded, config)
     pairs = reference_pairs(tokenizer, posts, samples, config)
     print(f"sampled the reference policy on {len(posts) + len(encoded)} posts in "
           f"{time.time() - t:.0f} s: {len(pairs)} reference pairs for training "

@@ -139,6 +139,7 @@ def tfidf_score(tokenizer, prompts, summaries):
     posts = {tuple(p): tokenizer.decode(p) for p in prompts}               # prompt -> text
     idf = idf_weights(list(posts.values()))
     vectors = {p: tfidf_vector(text, idf) for p, text in posts.items()}
+    # score(x, y) = cos(tfidf(y), tfidf(x)), both unit length: their dot product     (n,)
     return torch.tensor([cosine(tfidf_vector(tokenizer.decode(s, skip_special_tokens=True), idf),
                                 vectors[tuple(p)]) for p, s in zip(prompts, summaries)])
 

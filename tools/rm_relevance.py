@@ -47,9 +47,7 @@ def main(argv=None):
     lm, tokenizer = loaders.load_policy_and_tokenizer(
         config.model, preset="tiny" if preset == "tiny" else None)
     encoded, _ = rm_data.heldout_references(tokenizer, data, config)
-    samples = rm_data.sample_reference(lm, tokenizer, [p for p, _ in encoded],
-                                       config.sample_batch, config.seed + 1,
-                                       "sampling (held-out)")       # as sample_reference_phase
+    samples = rm_data.heldout_samples(lm, tokenizer, encoded, config)   # the run's draw
     score = functools.partial(rm.score_grouped, model, batch_rows=config.eval_batch,
                               progress="relevance")
     got = rm_report.relevance_sets(score, tokenizer,
