@@ -11,6 +11,8 @@ here builds or trains a model. The equation numbers are reward_model.py's:
                         departure 9's test, on posts never trained on: does the judge
                         read the post?
     tfidf_score         the same test's yardstick: word overlap with the post, no training
+    post_openings, lead_test    does the judge pay for copying? people's TL;DR against
+                        the post's own opening words, cut to the same length
     collect_metrics, print_summary, verdict, plot    metrics.json, the printed summary,
                         loss.png and margins.png
 Test: pytest tests/test_reward_model.py
@@ -20,6 +22,7 @@ import math
 
 import torch
 
+import loaders
 from support.quality import cosine, idf_weights, tfidf_vector
 from support.rm_data import length_neighbours, off_post_pairs
 
@@ -144,32 +147,64 @@ def tfidf_score(tokenizer, prompts, summaries):
                                 vectors[tuple(p)]) for p, s in zip(prompts, summaries)])
 
 
+def post_openings(tokenizer, prompts):
+    """[ids of " " + the POST field of each prompt id list]: the post's own first words, the
+    copy a policy could make, taken from the prompt the judge reads."""
+    return [tokenizer(" " + loaders.parse_prompt(tokenizer.decode(p))["post"]).input_ids
+            for p in prompts]
+
+
+def lead_test(score, eos, prompts, summaries, openings):
+    """Does the judge pay for copying? Under post p, p's human TL;DR against the lead (the
+    post's opening words, `post_openings`), both cut to the shorter and ending in EOS, so
+    g cancels. Returns the share of posts where the TL;DR wins (a tie counts one half),
+    with its Wilson 95% interval (R4). A judge that reads the post but not what a summary
+    is for prefers the lead: every word of it is on topic.
+    score, prompts, summaries: as `relevance`; openings: [ids], one per prompt."""
+    rows = [(p, s[:cut] + [eos], o[:cut] + [eos]) for p, s, o in zip(prompts, summaries, openings)
+            if (cut := min(len(s), len(o))) and s[:cut] != o[:cut]]
+    n = len(rows)
+    tldr, lead = score([p for p, _, _ in rows] * 2,
+                       [s for _, s, _ in rows] + [o for _, _, o in rows]).split([n, n])  # (n,) x2
+    accuracy = pairwise_accuracy(tldr, lead)
+    low, high = wilson_interval(accuracy, n)
+    return {"accuracy": accuracy, "wilson_low": low, "wilson_high": high, "pairs": n}
+
+
 def relevance_sets(score, tokenizer, reserve, encoded, samples, config):
     """`relevance` on three sets of posts never trained on: human TL;DRs of ppo.py's
     evaluation reserve (`reserve`: [(fitted prompt, post)], posts of no training comparison)
     and of this split's held-out posts (`encoded`), and SmolLM2's samples for the latter.
-    Each set also under `tfidf_score` (its "tfidf" key), on the same pairs."""
+    The two human sets also get `lead_test` (their "lead" key). Each test also runs under
+    `tfidf_score` (its "tfidf" key), on the same pairs."""
     sets = {"human_reserve": reserve_ids(tokenizer, reserve, config.max_summary_tokens),
             "human_heldout": ([p for p, _ in encoded], [h[:-1] for _, h in encoded]),
             "samples_heldout": ([p for p, _ in encoded], [ids for ids, _ in samples])}
     words_only = functools.partial(tfidf_score, tokenizer)
-    eos, seed = tokenizer.eos_token_id, config.seed
-    return {name: {**relevance(score, eos, prompts, summaries, seed),
-                   "tfidf": relevance(words_only, eos, prompts, summaries, seed)}
-            for name, (prompts, summaries) in sets.items() if len(prompts) >= 3}
+    eos, seed, out = tokenizer.eos_token_id, config.seed, {}
+    for name, (prompts, summaries) in sets.items():
+        if len(prompts) < 3:
+            continue
+        out[name] = {**relevance(score, eos, prompts, summaries, seed),
+                     "tfidf": relevance(words_only, eos, prompts, summaries, seed)}
+        if name.startswith("human"):
+            openings = post_openings(tokenizer, prompts)
+            out[name]["lead"] = {**lead_test(score, eos, prompts, summaries, openings),
+                                 "tfidf": lead_test(words_only, eos, prompts, summaries, openings)}
+    return out
 
 
 def relevance_metrics(sets):
     """metrics.json's relevance keys: human TL;DRs on the evaluation reserve, SmolLM2's
-    samples on the held-out posts, each with TF-IDF's accuracy on the same pairs (NaN where
-    a set was too small)."""
+    samples on the held-out posts, and the lead test on the former, each with TF-IDF's
+    accuracy on the same pairs (NaN where a set was too small)."""
     nan, out = float("nan"), {}
-    for prefix, name in (("relevance", "human_reserve"), ("relevance_sample", "samples_heldout")):
-        got = sets.get(name, {})
+    human = sets.get("human_reserve", {})
+    for prefix, got in (("relevance", human), ("relevance_sample", sets.get("samples_heldout", {})),
+                        ("lead", human.get("lead", {}))):
         for key in ("accuracy", "wilson_low", "wilson_high", "pairs"):
             out[f"{prefix}_{key}"] = got.get(key, nan)
         out[f"{prefix}_tfidf_accuracy"] = got.get("tfidf", {}).get("accuracy", nan)
-    human = sets.get("human_reserve", {})
     out.update(relevance_gap_sd=human.get("gap_sd", nan),
                relevance_gap_sd_se=human.get("gap_sd_se", nan))
     return out
@@ -260,6 +295,11 @@ def print_summary(metrics, extra, parts):
                   f"{r['accuracy']:.3f} [{r['wilson_low']:.3f}, {r['wilson_high']:.3f}] "
                   f"({r['pairs']} pairs; TF-IDF cosine {r['tfidf']['accuracy']:.3f}); under "
                   f"its own post minus another's {r['gap_sd']:+.2f} ± {r['gap_sd_se']:.2f} SDs")
+            if lead := r.get("lead"):
+                print(f"copying, {what}: the TL;DR beats the post's own opening words of the "
+                      f"same length {lead['accuracy']:.3f} [{lead['wilson_low']:.3f}, "
+                      f"{lead['wilson_high']:.3f}] ({lead['pairs']} pairs; TF-IDF cosine "
+                      f"{lead['tfidf']['accuracy']:.3f})")
     print(f"trained on {metrics['train_pairs']} pairs ({metrics['reference_pairs']} reference "
           f"pairs, {metrics['off_post_pairs']} + {metrics['off_post_sample_pairs']} off-post); "
           f"{metrics['seconds']:.0f} s in all")

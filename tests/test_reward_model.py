@@ -35,7 +35,7 @@ METRIC_KEYS = {"heldout_accuracy", "wilson_low", "wilson_high", "heldout_pairs",
                "seconds", "default_part", "length_weight", "length_matched_accuracy",
                "reference_pairs", "off_post_pairs", "off_post_sample_pairs",
                "relevance_gap_sd", "relevance_gap_sd_se"} | {
-    f"{kind}_{key}" for kind in ("relevance", "relevance_sample")
+    f"{kind}_{key}" for kind in ("relevance", "relevance_sample", "lead")
     for key in ("accuracy", "wilson_low", "wilson_high", "pairs", "tfidf_accuracy")} | {
     f"{part}_{key}" for part in ("content", "full")
     for key in ("heldout_accuracy", "wilson_low", "wilson_high", "shorter_preferred_accuracy",
@@ -529,6 +529,37 @@ def test_tfidf_score_is_the_cosine_with_the_post_worked_by_hand():
     assert got["accuracy"] == 1.0 and got["pairs"] == 2
 
 
+def test_lead_test_pits_the_tldr_against_the_posts_opening_cut_to_the_same_length():
+    prompts = [[1], [2], [3], [4]]
+    tldrs = [[7, 7], [2, 7, 7], [7], [4, 4]]
+    openings = [[1, 1, 1], [2, 2], [3, 3], [4, 4, 4]]
+    calls = []
+
+    def copy_lover(p, s):                     # +1 per summary token equal to the post's
+        calls.append((p, s))
+        return judge(reads_post=True)(p, s)
+    got = rm_report.lead_test(copy_lover, 0, prompts, tldrs, openings)
+    # post 3's TL;DR is its opening's first two tokens: no pair. The others, cut to the
+    # shorter, end in EOS 0: [7 7 0] v [1 1 0], [2 7 0] v [2 2 0], [7 0] v [3 0]
+    assert calls == [([[1], [2], [3]] * 2,
+                      [[7, 7, 0], [2, 7, 0], [7, 0], [1, 1, 0], [2, 2, 0], [3, 0]])]
+    assert got["pairs"] == 3 and got["accuracy"] == 0.0     # the copy wins every pair
+    assert (got["wilson_low"], got["wilson_high"]) == pytest.approx(
+        rm_report.wilson_interval(0.0, 3))
+
+    def summary_lover(p, s):                  # +1 per 7, a word no post uses; ties at 0
+        return torch.tensor([float(x.count(7)) for x in s])
+    got = rm_report.lead_test(summary_lover, 0, prompts[:3], tldrs[:3],
+                              [[1, 1, 1], [2, 2], [5]])
+    assert got["accuracy"] == 1.0 and got["pairs"] == 3
+
+
+def test_post_openings_are_the_post_field_of_the_prompt(tokenizer):
+    body = "I moved out last week.\n\nNow my roommate wants the deposit back."
+    prompt = tokenizer(loaders.format_prompt("relationships", "A title", body)).input_ids
+    assert rm_report.post_openings(tokenizer, [prompt]) == [tokenizer(" " + body).input_ids]
+
+
 def test_off_post_training_pairs_leak_no_reserved_or_heldout_post(tldr_posts, tokenizer):
     """The human and sample off-post pairs come only from posts departure 7 may use: none of
     ppo.py's evaluation posts, none of this split's held-out posts."""
@@ -567,10 +598,12 @@ def test_rm_relevance_reruns_a_saved_judges_test_and_repeats_its_numbers(tiny_re
     stored = json.loads((tiny_reward_model / "metrics.json").read_text())["extra"]["relevance"]
     rows = [line.split() for line in result.stdout.splitlines() if "posts" in line
             and line.split()[-1].endswith("]")]
-    assert len(rows) == len(stored) == 3
-    for row, name in zip(rows, ("human_reserve", "human_heldout", "samples_heldout")):
+    assert len(rows) == len(stored) + 2 == 5        # relevance on 3 sets, then the lead on 2
+    names = ("human_reserve", "human_heldout", "samples_heldout")
+    expect = [stored[n] for n in names] + [stored[n]["lead"] for n in names[:2]]
+    for row, want in zip(rows, expect):
         # ... pairs, judge, [low, high], in metrics.json, TF-IDF, [low, high]
         pairs, judge, before, tfidf = int(row[-8]), float(row[-7]), float(row[-4]), float(row[-3])
-        assert pairs == stored[name]["pairs"]
-        assert judge == before == round(stored[name]["accuracy"], 3)
-        assert tfidf == round(stored[name]["tfidf"]["accuracy"], 3)
+        assert pairs == want["pairs"]
+        assert judge == before == round(want["accuracy"], 3)
+        assert tfidf == round(want["tfidf"]["accuracy"], 3)

@@ -11,6 +11,9 @@ SmolLM2's samples for the held-out posts, drawn again with the run's seed. It sc
 pairs with the saved judge and with `rm_report.tfidf_score`, a judge that never trained,
 and prints both, with the judge's accuracy from metrics.json: on the machine that trained
 the model the two judge columns agree (to float rounding), elsewhere the samples may differ.
+Then the lead test on the two sets of human TL;DRs (`rm_report.lead_test`: the TL;DR
+against the post's own opening words of the same length), for judges trained before it
+existed too ("-" where metrics.json lacks it).
 
 Why: a judge can only read in a summary what the summary says. Where TF-IDF cannot tell a
 post's own summary from another post's either, the summaries carry little of their post,
@@ -57,15 +60,25 @@ def main(argv=None):
           "summary beats another post's of the same length")
     print(f"{'':40}{'pairs':>6}{'judge [Wilson 95%]':>24}{'in metrics.json':>17}"
           f"{'TF-IDF [Wilson 95%]':>24}")
+    saved = stored["extra"].get("relevance", {})
     for name, what in SETS:
-        if name not in got:
-            continue
-        r, t = got[name], got[name]["tfidf"]
-        before = stored["extra"].get("relevance", {}).get(name, {}).get("accuracy")
-        print(f"{what:40}{r['pairs']:6d}"
-              f"{r['accuracy']:8.3f} [{r['wilson_low']:.3f}, {r['wilson_high']:.3f}]"
-              f"{'-' if before is None else format(before, '.3f'):>17}"
-              f"{t['accuracy']:8.3f} [{t['wilson_low']:.3f}, {t['wilson_high']:.3f}]")
+        if name in got:
+            print_row(what, got[name], saved.get(name, {}).get("accuracy"))
+    print("under post p, p's human TL;DR beats the post's own opening words, cut to the same "
+          "length (the lead)")
+    for name, what in SETS[:2]:
+        if name in got:
+            print_row(what, got[name]["lead"],
+                      saved.get(name, {}).get("lead", {}).get("accuracy"))
+
+
+def print_row(what, r, before):
+    """One set's row: pairs, the judge's accuracy, metrics.json's, TF-IDF's (r["tfidf"])."""
+    t = r["tfidf"]
+    print(f"{what:40}{r['pairs']:6d}"
+          f"{r['accuracy']:8.3f} [{r['wilson_low']:.3f}, {r['wilson_high']:.3f}]"
+          f"{'-' if before is None else format(before, '.3f'):>17}"
+          f"{t['accuracy']:8.3f} [{t['wilson_low']:.3f}, {t['wilson_high']:.3f}]")
 
 
 if __name__ == "__main__":
