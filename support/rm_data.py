@@ -271,23 +271,32 @@ def length_neighbours(lengths, seed, k=1):
     return [(i, j) for rank, i in enumerate(order) for j in order[rank + 1:rank + 1 + k]]
 
 
+def cut_to_shorter(a, b, eos_id):
+    """(a, b) cut to the shorter of the two, each ending in EOS, so g(a) = g(b) of (R5) and
+    only f can tell them apart; None when nothing is left to tell (an empty side, or the
+    same tokens once cut)."""
+    cut = min(len(a), len(b))
+    if not cut or a[:cut] == b[:cut]:
+        return None
+    return a[:cut] + [eos_id], b[:cut] + [eos_id]
+
+
 def off_post_pairs(prompts, summaries, post_ids, eos_id, seed, kind="off_post", negatives=1):
     """Departure 9: under post p, p's own summary beats q's, for p's `negatives` nearest
     length neighbours q (`length_neighbours`).
 
     prompts: [prompt ids]; summaries: [summary ids, no EOS], one per post; both sides are
-    cut to the shorter of the two and end in EOS, so g(y_w) = g(y_l) and only f learns.
+    cut to the shorter of the two and end in EOS (`cut_to_shorter`), so only f learns.
     Returns the pairs grouped by p, in the order the posts were given (take the first n:
     whole posts, in the caller's seeded order).
     """
     by_post = [[] for _ in prompts]
     for p, q in length_neighbours([len(x) for x in summaries], seed, negatives):
-        cut = min(len(summaries[p]), len(summaries[q]))
-        own, other = summaries[p][:cut], summaries[q][:cut]
-        if not cut or own == other:
+        if not (cut_pair := cut_to_shorter(summaries[p], summaries[q], eos_id)):
             continue
+        cut = len(cut_pair[0]) - 1
         by_post[p].append({"post_id": post_ids[p], "prompt": prompts[p], "kind": kind,
-                           "chosen": own + [eos_id], "rejected": other + [eos_id],
+                           "chosen": cut_pair[0], "rejected": cut_pair[1],
                            "chosen_len": cut, "rejected_len": cut,
                            "chosen_tokens": cut, "rejected_tokens": cut})
     return [pair for pairs in by_post for pair in pairs]

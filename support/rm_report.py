@@ -24,7 +24,7 @@ import torch
 
 import loaders
 from support.quality import cosine, idf_weights, tfidf_vector
-from support.rm_data import length_neighbours, off_post_pairs
+from support.rm_data import cut_to_shorter, length_neighbours, off_post_pairs
 
 
 def pairwise_accuracy(r_w, r_l):
@@ -161,8 +161,8 @@ def lead_test(score, eos, prompts, summaries, openings):
     with its Wilson 95% interval (R4). A judge that reads the post but not what a summary
     is for prefers the lead: every word of it is on topic.
     score, prompts, summaries: as `relevance`; openings: [ids], one per prompt."""
-    rows = [(p, s[:cut] + [eos], o[:cut] + [eos]) for p, s, o in zip(prompts, summaries, openings)
-            if (cut := min(len(s), len(o))) and s[:cut] != o[:cut]]
+    rows = [(p, *cut) for p, s, o in zip(prompts, summaries, openings)
+            if (cut := cut_to_shorter(s, o, eos))]
     n = len(rows)
     tldr, lead = score([p for p, _, _ in rows] * 2,
                        [s for _, s, _ in rows] + [o for _, _, o in rows]).split([n, n])  # (n,) x2

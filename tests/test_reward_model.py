@@ -427,6 +427,13 @@ def test_length_neighbours_with_k_take_the_k_next_longer_grouped_by_item():
     assert rm_data.length_neighbours(lengths, 0, k=1) == rm_data.length_neighbours(lengths, 0)
 
 
+def test_cut_to_shorter_ends_both_sides_in_eos_at_the_same_length():
+    assert rm_data.cut_to_shorter([1, 2, 3], [4, 5], eos_id=9) == ([1, 2, 9], [4, 5, 9])
+    assert rm_data.cut_to_shorter([4], [1, 2, 3], eos_id=9) == ([4, 9], [1, 9])
+    assert rm_data.cut_to_shorter([1, 2, 3], [1, 2], eos_id=9) is None      # same once cut
+    assert rm_data.cut_to_shorter([], [1, 2], eos_id=9) is None             # nothing to cut
+
+
 def test_off_post_pairs_put_the_posts_own_summary_first_at_equal_length():
     """Under post p (its prompt), p's summary beats q's, both cut to the shorter and ended in
     EOS: equal *_tokens, so g(y) of (R5) cancels. Identical cut summaries make no pair."""
