@@ -292,11 +292,12 @@ def off_post_pairs(prompts, summaries, post_ids, eos_id, seed, kind="off_post", 
     """
     by_post = [[] for _ in prompts]
     for p, q in length_neighbours([len(x) for x in summaries], seed, negatives):
-        if not (cut_pair := cut_to_shorter(summaries[p], summaries[q], eos_id)):
+        if not (pair := cut_to_shorter(summaries[p], summaries[q], eos_id)):
             continue
-        cut = len(cut_pair[0]) - 1
+        chosen, rejected = pair
+        cut = len(chosen) - 1                    # tokens before the EOS, the same on both sides
         by_post[p].append({"post_id": post_ids[p], "prompt": prompts[p], "kind": kind,
-                           "chosen": cut_pair[0], "rejected": cut_pair[1],
+                           "chosen": chosen, "rejected": rejected,
                            "chosen_len": cut, "rejected_len": cut,
                            "chosen_tokens": cut, "rejected_tokens": cut})
     return [pair for pairs in by_post for pair in pairs]

@@ -161,8 +161,8 @@ def lead_test(score, eos, prompts, summaries, openings):
     with its Wilson 95% interval (R4). A judge that reads the post but not what a summary
     is for prefers the lead: every word of it is on topic.
     score, prompts, summaries: as `relevance`; openings: [ids], one per prompt."""
-    rows = [(p, *cut) for p, s, o in zip(prompts, summaries, openings)
-            if (cut := cut_to_shorter(s, o, eos))]
+    rows = [(p, *pair) for p, s, o in zip(prompts, summaries, openings)
+            if (pair := cut_to_shorter(s, o, eos))]             # [(prompt, tldr, lead)]
     n = len(rows)
     tldr, lead = score([p for p, _, _ in rows] * 2,
                        [s for _, s, _ in rows] + [o for _, _, o in rows]).split([n, n])  # (n,) x2
