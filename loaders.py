@@ -209,9 +209,10 @@ def embedded_model_dir():
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:                                              # write aside, rename when complete
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        staging.rename(target)
+        with cli.writing(f"the model cache {target} ({CACHE_ENV}=DIR puts it elsewhere)"):
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            staging.rename(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if not (target / "model.safetensors").exists():

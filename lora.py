@@ -69,6 +69,15 @@ def with_lora(model, rank=LORA_R, alpha=LORA_ALPHA, top_layers=None):
     return model
 
 
+def adapter_numel(model, rank=LORA_R, top_layers=None):
+    """How many parameters `with_lora(model, rank, top_layers=...)` adds: r (d_in + d_out) for
+    each wrapped projection. Read from the unwrapped model, before any copy is made."""
+    layers = model.model.layers
+    wrapped = layers[len(layers) - (top_layers or len(layers)):]
+    return sum(rank * (p.in_features + p.out_features)
+               for layer in wrapped for p in (getattr(layer.self_attn, n) for n in TARGETS))
+
+
 def adapter_state(model):
     """Only the adapter's tensors ({name: tensor}), the part worth saving."""
     return {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()

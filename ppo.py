@@ -77,15 +77,16 @@ from gae import (ESTIMATORS, GAMMA, LAM, AdaptiveKLController,  # noqa: E402
                  advantages_and_returns, ended_with_eos, kl_per_token, per_token,
                  response_mask, sequence_advantages, sequence_rewards, shaped_rewards, whiten)
 from loaders import encode, micro_batches  # noqa: E402
-from lora import with_lora  # noqa: E402
-from support import cli  # noqa: E402
+from lora import adapter_numel, with_lora  # noqa: E402
+from support import cli, disk  # noqa: E402
 from support.config import option, read_config  # noqa: E402
 from support.heldout import evaluate_run, reference_and_human  # noqa: E402
 from support.measures import copied_bigrams  # noqa: E402
 from support.report import (Laps, NonFiniteError, check_finite,  # noqa: E402
                             check_run_folders, checkpoint_iteration, finished_row,
                             has_checkpoint, iteration_row, record_failure, record_iteration,
-                            report_sweep, save_checkpoint, start_results, write_json)
+                            report_sweep, resume_hint, run_bytes, save_checkpoint,
+                            start_results, write_json)
 
 
 # ======================================================== the post's hyperparameters
@@ -725,14 +726,28 @@ def run_dir_for(cfg, beta, seed):
     return base / f"beta{beta:g}_seed{seed}" if sweep else base
 
 
+def out_folder(cfg, plan):
+    """The folder the whole command writes: the sweep's, or the one run's."""
+    return Path(cfg.out or "runs/ppo_sweep") if len(plan) > 1 else plan[0][2]
+
+
 def main(argv=None):
     parallel.setup()                                    # under torchrun only
     cfg = parse_args(argv)
     if cfg.batch % parallel.size():
         raise cli.UserError(f"--batch {cfg.batch} does not split evenly over "
                             f"{parallel.size()} processes; pass a multiple of {parallel.size()}")
-    plan = check_run_folders([(beta, seed, run_dir_for(cfg, beta, seed)) for beta, seed in
-                              runs(cfg)], run_config(cfg, None, None), RESUME_MAY_CHANGE)
+    plan = [(beta, seed, run_dir_for(cfg, beta, seed)) for beta, seed in runs(cfg)]
+    folder = out_folder(cfg, plan)
+    # One process a folder, until this one ends (support/disk.py); then the folders' checks
+    with disk.holding([folder, *(run_dir for _, _, run_dir in plan)]):
+        run_plan(cfg, check_run_folders(plan, run_config(cfg, None, None), RESUME_MAY_CHANGE),
+                 folder)
+
+
+def run_plan(cfg, plan, folder):
+    """Every run of `plan` ([(beta, seed, run_dir)]), each trained then evaluated on the
+    held-out posts, and a sweep's table."""
     device = loaders.pick_device()
     processes = f", {parallel.size()} processes" if parallel.size() > 1 else ""
     print(f"preset {cfg.preset} on {device}{processes}: "
@@ -752,8 +767,8 @@ def main(argv=None):
     reward = rm.load_reward_model(reward_path, device=device)
     pool, held_out = loaders.load_prompts(cfg, tokenizer, posts)
     models = (reference, reward, tokenizer, device)
+    check_room(cfg, plan, folder, reference)            # before the long part
 
-    folder = Path(cfg.out or "runs/ppo_sweep") if len(plan) > 1 else plan[0][2]
     # The held-out evaluation runs on rank 0 alone; the others wait at their next collective.
     base = (reference_and_human(cfg, models, held_out, folder, rollouts) if parallel.is_main()
             else None)
@@ -764,9 +779,10 @@ def main(argv=None):
             print(f"{run_dir}: finished before, skipped")
             continue
         start = checkpoint_iteration(run_dir) if cfg.resume else 0
-        # A run that fails before its first checkpoint leaves no folder behind.
+        # A run that fails before its first checkpoint leaves no folder behind; one that
+        # cannot write says where its last checkpoint is.
         with (cli.new_folders(run_dir, keep=has_checkpoint) if parallel.is_main()
-              else contextlib.nullcontext()):
+              else contextlib.nullcontext()), resume_hint(run_dir):
             try:
                 policy, _, results = train(cfg, beta, seed, models, pool, run_dir,
                                            progress=parallel.is_main())
@@ -776,12 +792,12 @@ def main(argv=None):
                 print(f"beta={beta:g} seed={seed} failed: {error}")    # a row, not a gap
                 record_failure(run_dir, run_config(cfg, beta, seed), error)
                 continue
-        if not base_saved:                      # once, for a resumed sweep to read back
-            write_json(folder / "baseline.json", base)
-            base_saved = True
-        if parallel.is_main():
-            evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir,
-                         rollouts)
+            if not base_saved:                  # once, for a resumed sweep to read back
+                write_json(folder / "baseline.json", base)
+                base_saved = True
+            if parallel.is_main():
+                evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir,
+                             rollouts)
         trained += cfg.iterations - start
         left = sum(not finished_row(d, cfg.iterations) for _, _, d in plan[k + 1:])
         if left and trained:    # at this process's pace so far, evaluation included
@@ -790,6 +806,15 @@ def main(argv=None):
                   + (f"{eta / 60:.0f} min" if eta > 90 else f"{eta:.0f} s") + " to go")
     if len(plan) > 1 and parallel.is_main():    # the table, from every run's results.json
         report_sweep([finished_row(d, cfg.iterations) for _, _, d in plan], base, folder)
+
+
+def check_room(cfg, plan, folder, reference):
+    """Refuse in one line, before the long part, when the disk cannot hold what the runs
+    still to do will write (report.run_bytes each; a sweep's table and baseline once)."""
+    one = run_bytes(adapter_numel(reference), reference.config.hidden_size, cfg)
+    left = [d for _, _, d in plan if not (cfg.resume and finished_row(d, cfg.iterations))]
+    need = len(left) * one + (one // 2 if len(plan) > 1 else 0)
+    disk.check_room(folder, need, f"{len(left)} run{'s' * (len(left) > 1)} in {folder}")
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ import lora  # noqa: E402
 from gae import ended_with_eos, last_token_index  # noqa: E402
 from support import cli, rm_data, rm_report  # noqa: E402
 from support.config import option, read_config  # noqa: E402
-from support.report import write_aside  # noqa: E402
+from support.disk import check_room, holding, write_aside  # noqa: E402
 from support.rm_data import encode, pad  # noqa: E402
 from support.rm_report import (human_minus_reference_sd, pair_metrics,  # noqa: E402
                                pairwise_accuracy)
@@ -422,6 +422,14 @@ def save_reward_model(model, folder):
     (folder / "config.json").write_text(json.dumps(settings, indent=2))
 
 
+def saved_bytes(model):
+    """About what `run` writes: the tensors save_reward_model keeps, in fp32, and 2 MB for
+    config.json, metrics.json and the two plots (0.07 MB on the tiny preset)."""
+    kept = (model.body.state_dict() if model.settings["tiny"]      # the random base too
+            else lora.adapter_state(model.body)).values()
+    return 4 * (sum(t.numel() for t in kept) + model.head.weight.numel() + 3) + 2 * 10 ** 6
+
+
 # What load_reward_model needs from config.json (save_reward_model writes more).
 SETTINGS = {"base_model", "tiny", "seed", "lora_r", "lora_alpha", "lora_layers",
             "base_fingerprint", "resolved_from"}
@@ -600,8 +608,10 @@ def main(argv=None):
     print(f"preset {config.preset}: "
           + (", ".join(f"{k}={v}" for k, v in PRESETS[config.preset].items()) or "defaults")
           + "\nsettings: " + ", ".join(f"{k}={v}" for k, v in asdict(config).items()))
-    # Written aside and renamed into place when complete (rank 0 only, under torchrun)
-    metrics = write_aside(config.out, lambda staging: run(config, staging, start))
+    # One process a folder (support/disk.py). Written aside and renamed into place when
+    # complete (rank 0 only, under torchrun)
+    with holding([config.out]):
+        metrics = write_aside(config.out, lambda staging: run(config, staging, start))
     if metrics:
         print(f"saved to {config.out}/ ({metrics['seconds']:.0f} s in all)")
 
@@ -611,6 +621,7 @@ def run(config, staging, start):
     device = loaders.pick_device()
     data = rm_data.load_and_split(config)
     model, tokenizer = build_for_run(config, device)
+    check_room(config.out, saved_bytes(model), f"the reward model in {config.out}")
     human_pairs, heldout_pairs = rm_data.comparison_pairs(tokenizer, data, config)
     # The held-out posts' human TL;DRs: (R3) and the human-minus-reference gap.
     encoded, sources = rm_data.heldout_references(tokenizer, data, config)
@@ -648,10 +659,11 @@ def run(config, staging, start):
                  # the first held-out pair's content scores, for the round-trip test
                  probe={"post_id": heldout_pairs[0]["post_id"],
                         "scores": [f_w[0].item(), f_l[0].item()]})
-    save_reward_model(model, staging)
-    rm_report.plot(losses, f_w - f_l, staging)
-    metrics["seconds"] = time.time() - start
-    (staging / "metrics.json").write_text(json.dumps({**metrics, "extra": extra}, indent=2))
+    with cli.writing(config.out):               # a full disk: one line, --out as it was
+        save_reward_model(model, staging)
+        rm_report.plot(losses, f_w - f_l, staging)
+        metrics["seconds"] = time.time() - start
+        (staging / "metrics.json").write_text(json.dumps({**metrics, "extra": extra}, indent=2))
     rm_report.print_summary(metrics, extra, PARTS)
     return metrics
 

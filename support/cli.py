@@ -13,16 +13,21 @@ folder. So `ppo.py` and `reward_model.py`:
        traceback; `--debug` (or RLHF_DEBUG=1) shows the traceback of a UserError too.
     3. leave --out as it was when they fail: `out_problem` refuses an --out that cannot be
        written before any work, and `new_folders` removes the folders a failed run made.
+    4. turn a failure to write (a full disk, a read-only filesystem, no permission) into a
+       `WriteError`, one line naming the file and the free space (`writing`); a full or
+       read-only disk ends in one line wherever it strikes (`run_script`).
        SIGTERM (`kill`, a batch scheduler, torchrun stopping its workers) counts as a
        failure: `run_script` turns it into SystemExit, so that cleanup runs before exit.
 
-Used by: ppo.py, reward_model.py, loaders.py, report.py. Tests: tests/test_cli.py.
+Used by: ppo.py, reward_model.py, loaders.py, report.py, disk.py. Tests: tests/test_cli.py.
 """
 
 import contextlib
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -125,6 +130,67 @@ def reading(path, expected, *also):
         raise UserError(f"cannot read {path} ({reason}); expected {expected}") from error
 
 
+def megabytes(n):
+    return f"{n / 1e6:,.1f} MB"
+
+
+def free_bytes(path):
+    """(free bytes, the folder measured): the nearest existing folder at or above `path`."""
+    existing = next(p for p in (Path(path).resolve(), *Path(path).resolve().parents)
+                    if p.exists())
+    return shutil.disk_usage(existing).free, existing
+
+
+class WriteError(UserError):
+    """A file could not be written (no space, a read-only filesystem, no permission, ...)."""
+
+
+# The errors of writing that are the machine's, not a bug here: each ends in one line. Those
+# of a full or read-only disk do wherever they happen (run_script), the others where a
+# `writing` block names the file.
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+WRITE_ERRNOS = DISK_ERRNOS | {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
+                              errno.ENOENT, errno.EIO}
+
+
+def write_problem(path, error):
+    """'cannot write PATH: No space left on device (0.1 MB free on /mnt)', for an OSError or
+    a SafetensorError (whose text ends in '(os error 28)'); None for any other error."""
+    if isinstance(error, SafetensorError):
+        code = re.search(r"os error (\d+)", str(error))
+        number = int(code.group(1)) if code else None
+    else:
+        number = getattr(error, "errno", None)
+    if number not in WRITE_ERRNOS:
+        return None
+    reason = os.strerror(number)
+    if number in (errno.ENOSPC, errno.EDQUOT):
+        with contextlib.suppress(OSError):
+            free, where = free_bytes(Path(path).parent)
+            reason += f" ({megabytes(free)} free on {where})"
+    return f"cannot write {path}: {reason}"
+
+
+@contextlib.contextmanager
+def writing(path):
+    """Inside this block, a failed write becomes a WriteError naming `path`."""
+    try:
+        yield
+    except (OSError, SafetensorError) as error:
+        problem = write_problem(path, error)
+        if problem is None:
+            raise
+        raise WriteError(problem) from error
+
+
+def full_disk(error):
+    """A full or read-only disk's OSError as a WriteError, wherever it struck (a write that
+    no `writing` names: a library's own file); None for any other OSError."""
+    if error.errno not in DISK_ERRNOS:
+        return None
+    return WriteError(write_problem(error.filename or "a file", error))
+
+
 @contextlib.contextmanager
 def new_folders(path, keep=lambda path: False):
     """Make the folder `path` and any missing parent. If the block raises, remove the ones
@@ -153,7 +219,10 @@ def run_script(main, argv=None):
     try:
         with stop_on_sigterm(script):
             return main(argv)
-    except UserError as error:
+    except (UserError, OSError) as caught:
+        error = caught if isinstance(caught, UserError) else full_disk(caught)
+        if error is None:                           # any other OSError: a bug, its traceback
+            raise
         if "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
         sys.exit(f"{script}: error: {' '.join(str(error).split())}")

@@ -24,8 +24,9 @@ import reward_model as rm
 from support.measures import per_post, standard_error, summarize
 from support.quality import (asks_for_help, ends_with_question, paired_difference,
                              retrieval_ranks, rouge_l, samples_page)
+from support.disk import write_json, write_text
 from support.report import (load_baseline, plot_curves, print_gain, print_row,
-                            print_row_header, print_samples, write_json)
+                            print_row_header, print_samples)
 
 # The settings that decide the reference's held-out samples and the human rows: a resumed
 # sweep reuses its stored ones only when these agree (and when they carry MEASURES).
@@ -165,4 +166,4 @@ def write_samples_page(final, held_out, title, path):
                      "policy_rouge_l": mine["rouge_l"], "reference_rouge_l": ref["rouge_l"],
                      "policy_rank": mine["retrieval_rank"],
                      "reference_rank": ref["retrieval_rank"]})
-    path.write_text(samples_page(rows, title), encoding="utf-8")
+    write_text(path, samples_page(rows, title))

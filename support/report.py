@@ -2,8 +2,8 @@
 
 Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
     git_commit            the code's version, recorded in results.json
-    write_json            results.json, written aside and renamed (never half-written)
-    publish               the same for a folder (reward_model.py's output, checkpoints)
+    run_bytes             about how much a run writes, checked against the free space
+    resume_hint           a failed write says where the last checkpoint is
     check_run_folders     before a run: --resume finds its checkpoint and settings, and a
                           new run does not write over an old one
     finished_row, record_failure, load_baseline     what a resumed sweep reads back: runs
@@ -22,14 +22,13 @@ Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
 Used by: ppo.py (tests: tests/test_ppo.py, resume and sweep end to end).
 """
 
+import contextlib
 import json
 import math
-import os
 import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from support import cli
+from support.disk import save_figure, write_aside, write_json, write_text
 from support import parallel
 from support.measures import median_sample, question_fraction, spearman, standard_error
 from gae import ended_with_eos
@@ -60,49 +60,14 @@ def git_commit():
     return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
-def write_json(path, obj):
-    """Write JSON next to `path` and rename it into place: never half-written. Under torchrun
-    rank 0 alone writes (parallel.py)."""
-    if not parallel.is_main():
-        return
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(obj, handle, indent=1)
-    os.replace(tmp, path)
-
-
-def publish(staging, out):
-    """Rename a finished folder into place; an older `out` is moved aside first and removed
-    after, so a crash at any point leaves the old folder or the new one, never neither."""
-    out = Path(out).resolve()
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    staging.chmod(0o755)                         # mkdtemp made it private (0700)
-    if out.exists():
-        out.rename(old)
-    staging.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def write_aside(out, make):
-    """`make(folder)` fills a hidden folder beside `out`, renamed to `out` when it returns
-    (`publish`); a failure removes it and any folder made for it, so `out` is left as it
-    was. Under torchrun only rank 0 writes: the others make into a scratch folder that goes.
-    Returns what `make` returned."""
-    if not parallel.is_main():
-        with tempfile.TemporaryDirectory() as scratch:
-            make(Path(scratch))
-        return None
-    out = Path(out).resolve()
-    with cli.new_folders(out.parent):
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        try:
-            made = make(staging)
-            publish(staging, out)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    return made
+def run_bytes(adapter_numel, hidden, cfg):
+    """About the most one run has on disk at once, an overestimate: two checkpoints (a new one
+    is complete before the old one goes), each the adapter in fp32 with AdamW's two moments,
+    the value head and the RNG; results.json (a row per iteration, the held-out samples);
+    samples.html and curves.png. Measured on the tiny preset: 170 kB written, 380 kB here."""
+    checkpoint = 4 * 3 * (adapter_numel + hidden + 1) + 2 ** 14
+    samples = cfg.eval_prompts * (8 * cfg.max_new_tokens + 4096)     # ids, text, the html
+    return 2 * checkpoint + 4096 * cfg.iterations + samples + 2 ** 17
 
 
 def has_checkpoint(run_dir):
@@ -136,6 +101,22 @@ def check_run_folders(plan, config, may_change):
                                 + "; ".join(differ) + "); pass the same flags, or add "
                                 "--force to continue anyway")
     return plan
+
+
+@contextlib.contextmanager
+def resume_hint(run_dir):
+    """A write that fails inside (cli.WriteError, or a full disk anywhere) ends in one line
+    that also says what is left: the last checkpoint, intact, for --resume."""
+    try:
+        yield
+    except (cli.WriteError, OSError) as caught:
+        error = caught if isinstance(caught, cli.WriteError) else cli.full_disk(caught)
+        if error is None:
+            raise
+        hint = (f"; the checkpoint after {checkpoint_iteration(run_dir)} iterations in "
+                f"{run_dir} is intact: make room and run the same command with --resume"
+                if has_checkpoint(run_dir) else "")
+        raise cli.WriteError(f"{error}{hint}") from caught
 
 
 def checkpoint_iteration(run_dir):
@@ -238,7 +219,8 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
         write_json(staging / "state.json", {"iteration": iteration, "beta": controller_beta,
                                             "reinforce_baseline": reinforce_baseline,
                                             "optimizer_scalars": scalars})
-    write_aside(Path(run_dir) / "checkpoint", make)
+    with cli.writing(Path(run_dir) / "checkpoint"):
+        write_aside(Path(run_dir) / "checkpoint", make)
 
 
 def load_checkpoint(run_dir, policy, value_head, optimizer):
@@ -513,7 +495,7 @@ def report_sweep(rows, base, out):
         print(f"{len(rows) - len(table) - len(failed)} runs have not finished")
     write_json(out / "sweep.json", {"runs": table + failed, "baseline": baseline,
                                     "summary": summary, "commits": commits})
-    (out / "sweep.md").write_text(text + "\n")
+    write_text(out / "sweep.md", text + "\n")
     plot_sweep(table, baseline, out / "sweep.png")
     print(f"sweep in {out}/sweep.json, {out}/sweep.md and {out}/sweep.png")
 
@@ -529,7 +511,7 @@ def plot_curves(results, path):
         ax.set_title(key)
         ax.set_xlabel("iteration")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 
@@ -557,7 +539,7 @@ def plot_sweep(table, baseline, path):
         ax.set_title(f"held-out {title}, one point per seed", fontsize=10)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 

@@ -9,19 +9,24 @@
 - reward_model.py's tiny preset under torchrun, with an explicit rendezvous endpoint (the
   multi-node command on one machine): held-out metrics once, on every held-out pair, close
   to a single process's; the saved model loads in this one.
+- A torchrun run holds its folder from rank 0: a plain run on it stops at once naming that
+  process; after the launch is killed, a new run takes the folder (support/disk.py).
 - parallel.py's helpers are the identity in one process.
 Each launch starts 2 Python processes (~10-20 s each on 2 busy cores).
 """
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from support import parallel
+from support import disk, parallel
 from support import report
 import reward_model as rm
 
@@ -104,6 +109,37 @@ def test_tiny_preset_under_torchrun_and_a_killed_run_resumes(tiny_reward_model, 
                            "--resume", "--iterations", "5"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 1 and "processes 2 there, 1 now" in done.stderr.splitlines()[-1]
+
+
+def test_rank_0_holds_the_folder_under_torchrun(tiny_reward_model, small_data, tmp_path):
+    out = tmp_path / "run"
+    common = ["ppo.py", "--preset", "tiny", "--reward-model", str(tiny_reward_model),
+              "--data-dir", str(small_data), "--out", str(out)]
+    launch = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node", "2", *common, "--iterations", "1000"],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, pid = time.time() + 300, None
+        while pid is None and time.time() < deadline and launch.poll() is None:
+            try:
+                pid = json.loads(disk.lock_path(out).read_text())["pid"]
+            except (OSError, ValueError, KeyError):
+                time.sleep(0.05)
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert b"RANK=0" in environ and pid != launch.pid            # a worker, rank 0
+        done = subprocess.run([sys.executable, *common, "--force", "--iterations", "1"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1 and "Traceback" not in done.stderr
+        assert f"{out} is in use by process {pid} " in done.stderr.splitlines()[-1]
+        os.kill(pid, signal.SIGKILL)              # the holder, kill -9; torchrun stops rank 1
+        launch.wait(timeout=120)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait()
+    done = subprocess.run([sys.executable, *common, "--force", "--iterations", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
 
 
 def free_port():

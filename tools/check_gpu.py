@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 import loaders
-from support.report import peak_memory_gb, write_json
+from support.disk import write_json
+from support.report import peak_memory_gb
 
 ROOT = Path(__file__).resolve().parent.parent        # the repository root
 MODELS = {"smollm2": None, "vocab151936": 151936}        # folder name: vocabulary override

@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 from tools.bench_parallel import print_timings, timed_run
+from support import cli, disk
 from support.measures import standard_error
 from support.report import finished_row, read_results
 
@@ -151,7 +152,7 @@ def plot(runs, beta, path):
     ax.set_title(f"beta = {beta:g}: one point per run")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    disk.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -172,6 +173,12 @@ def main(argv=None):
         if args.time < 2:
             parser.error(f"argument --time: needs at least 2 iterations, got {args.time}")
         return time_settings(args)
+    with disk.holding([args.out]):      # one process a folder; ppo.py holds each setting's
+        return experiment(args)
+
+
+def experiment(args):
+    """Each setting's runs (ppo.py), then the table and the plot."""
     if not args.table_only:
         for name in args.settings:
             if run_setting(name, args):
@@ -182,10 +189,10 @@ def main(argv=None):
     text = table(runs, baseline, args.beta)
     print("\n" + text)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "estimators.md").write_text(text + "\n")
+    disk.write_text(Path(args.out) / "estimators.md", text + "\n")
     plot(runs, args.beta, Path(args.out) / "estimators.png")
     print(f"\ntable in {args.out}/estimators.md, plot in {args.out}/estimators.png")
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)     # a folder in use, a full disk: one line, not a traceback
