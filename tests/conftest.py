@@ -21,6 +21,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import loaders  # noqa: E402
+import reward_model as rm  # noqa: E402
+from test_reward_model import tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -80,6 +82,21 @@ def small_data(tmp_path_factory, tldr_posts):
         writer.writerows({"": i, "query": post["prompt"], "reference_responses": post["summary"]}
                          for i, post in enumerate(tldr_posts[:40]))
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_judge(tmp_path_factory):
+    """An untrained tiny reward model's folder, in a second, for the tests that only load
+    and call one: a non-zero adapter, and a length weight and bias, so that every term of
+    its score takes part and `content` differs from `full`."""
+    model, _ = tiny_model()
+    with torch.no_grad():
+        model.length_weight.fill_(0.5)
+        model.bias.fill_(-0.25)
+    out = tmp_path_factory.mktemp("judge") / "reward_model"
+    out.mkdir()
+    rm.save_reward_model(model, out)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@
   results.json whole, no hidden file left; and after a full disk, --resume continues to the
   numbers of an uninterrupted run.
 The real small filesystems are tmpfs mounts: they need root (CI and this machine have it)
-and are skipped elsewhere; the patched cases run everywhere.
+and are skipped elsewhere; the patched cases run everywhere. Real processes and tiny runs
+are marked slow (`pytest -m slow`); the pieces run with plain `pytest`.
 """
 
 import contextlib
@@ -36,7 +37,6 @@ from lora import adapter_numel
 from support import cli, disk, report
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow          # real processes and tiny runs: seconds each
 
 
 def ppo_args(tiny_reward_model, small_data, out, *more):
@@ -83,6 +83,7 @@ def kill_hard(process):
 
 # ------------------------------------------------------------------ two processes, one folder
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", [0, 1])
 def test_two_ppo_runs_one_folder_the_second_stops_at_once(tiny_reward_model, small_data,
                                                           tmp_path, first):
@@ -108,6 +109,7 @@ def test_two_ppo_runs_one_folder_the_second_stops_at_once(tiny_reward_model, sma
     assert not disk.lock_path(out).exists()          # released and removed at the end
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", [0, 1])
 def test_two_reward_models_one_folder_the_second_stops_at_once(tmp_path, data_dir, first):
     out = tmp_path / "rm"
@@ -126,6 +128,7 @@ def test_two_reward_models_one_folder_the_second_stops_at_once(tmp_path, data_di
         assert json.loads((out / "config.json").read_text())["seed"] == 0
 
 
+@pytest.mark.slow
 def test_a_sweep_and_a_run_inside_it(tiny_reward_model, small_data, tmp_path):
     """--resume on a sweep that another process runs stops at once; so does a run of one
     of its folders, and a sweep over a folder that a single run holds."""
@@ -183,12 +186,12 @@ def exit_line(main, argv):
     return str(stop.value.code)
 
 
-def test_no_room_for_a_ppo_run_or_a_sweep(tiny_reward_model, small_data, tiny, tmp_path,
+def test_no_room_for_a_ppo_run_or_a_sweep(tiny_judge, small_data, tiny, tmp_path,
                                           monkeypatch):
     """One run asks for report.run_bytes; a sweep of 4 for 4 of them and half of one more
     (its baseline and table)."""
     with_free(monkeypatch, 100_000)
-    argv = ppo_args(tiny_reward_model, small_data, tmp_path / "out")[1:]
+    argv = ppo_args(tiny_judge, small_data, tmp_path / "out")[1:]
     one = report.run_bytes(adapter_numel(tiny), tiny.config.hidden_size, ppo.parse_args(argv))
     line = exit_line(ppo.main, argv)
     assert line == (f"ppo.py: error: no room for 1 run in {tmp_path / 'out'}: it needs about "
@@ -229,6 +232,7 @@ def small_filesystem(tmp_path):
         subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_no_room_on_a_real_small_filesystem(tiny_reward_model, small_data, small_filesystem):
     disk_ = small_filesystem(256)
     done = finish(ppo_args(tiny_reward_model, small_data, disk_ / "run"))
@@ -246,6 +250,7 @@ def hidden(folder):
     return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob(".*"))
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_mid_run_then_resume(tiny_reward_model, small_data, tmp_path,
                                                small_filesystem):
     """A real full disk: a 2 MB tmpfs fills (another 'process' writes) once the first
@@ -290,6 +295,7 @@ FAILURES = [(errno.ENOSPC, "No space left on device ("), (errno.EROFS, "Read-onl
             (errno.EACCES, "Permission denied"), (errno.ENOTDIR, "Not a directory")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("number, reason", FAILURES)
 def test_a_failed_write_of_results_is_one_line(tiny_reward_model, small_data, tmp_path,
                                                monkeypatch, number, reason):
@@ -316,6 +322,7 @@ def test_a_failed_write_of_results_is_one_line(tiny_reward_model, small_data, tm
     assert hidden(run_dir) == []
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_keeps_the_last_one(tiny_reward_model, small_data, tmp_path,
                                                 monkeypatch):
     """safetensors reports a full disk as SafetensorError: the second checkpoint fails
@@ -339,6 +346,7 @@ def test_a_failed_checkpoint_keeps_the_last_one(tiny_reward_model, small_data, t
     assert hidden(run_dir) == []
 
 
+@pytest.mark.slow
 def test_the_reward_model_that_cannot_be_saved_leaves_out_as_it_was(tmp_path, data_dir,
                                                                     monkeypatch):
     def save_file(*args, **kwargs):
@@ -391,6 +399,7 @@ def folder_bytes(folder):
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
+@pytest.mark.slow
 def test_the_estimates_bound_what_the_runs_write(tiny_reward_model, small_data, tiny,
                                                  tmp_path):
     """What check_room asks for is at least what a run leaves (a second checkpoint beside

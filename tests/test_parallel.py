@@ -32,7 +32,7 @@ import reward_model as rm
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "parallel_worker.py")
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def torchrun(*args, check=True, rendezvous=None, timeout=600):

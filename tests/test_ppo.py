@@ -344,11 +344,11 @@ def run(*args, timeout=300):
 
 
 @pytest.mark.parametrize("part", ["content", "full"])
-def test_score_is_the_reward_models_score_of_that_part(tiny_reward_model, tokenizer, part):
+def test_score_is_the_reward_models_score_of_that_part(tiny_judge, tokenizer, part):
     """Exactly, with the rows in their own order (`micro_batches` sorts them by padding,
     which moves the last bit, ~2e-7 here); that `score` passes `part` at all is checked
     by the test above (the tiny reward model's two parts may well agree)."""
-    model = rm.load_reward_model(tiny_reward_model)
+    model = rm.load_reward_model(tiny_judge)
     prompt_ids, prompt_mask, actions = fake_batch(tokenizer)
     mask = response_mask(actions, EOS)
     expected = rm.score_ids(model, prompt_ids, prompt_mask, actions, mask, part=part).float()
@@ -359,6 +359,7 @@ def test_score_is_the_reward_models_score_of_that_part(tiny_reward_model, tokeni
     assert torch.allclose(sorted_rows, expected, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
     common = ["ppo.py", "--preset", "tiny", "--reward-model", str(tiny_reward_model),
               "--beta", "0.1", "--checkpoint-every", "2"]
@@ -411,6 +412,7 @@ def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
     assert report.differences(resumed, {**straight, "final": {}}) != []   # it can tell
 
 
+@pytest.mark.slow
 def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
     out = run("ppo.py", "--preset", "tiny", "--reward-model", str(tiny_reward_model),
               "--beta", "0", "0.5", "--seeds", "0", "1", "--iterations", "1",
@@ -433,7 +435,7 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
     assert (tmp_path / "beta0.5_seed1" / "results.json").exists()
 
 
-def test_a_nan_score_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_reward_model, tiny,
+def test_a_nan_score_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_judge, tiny,
                                                                       tokenizer, tmp_path,
                                                                       monkeypatch):
     """A NaN injected into one score of iteration 2: the run stops there with a message that
@@ -445,7 +447,7 @@ def test_a_nan_score_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_rewar
     posts = loaders.load_tldr()[:30]
     pool = [{**p, "prompt": prompt} for p in posts
             if (prompt := loaders.fit_prompt(tokenizer, p, cfg.prompt_tokens))][:8]
-    models = (tiny, rm.load_reward_model(tiny_reward_model), tokenizer, torch.device("cpu"))
+    models = (tiny, rm.load_reward_model(tiny_judge), tokenizer, torch.device("cpu"))
     real_score, real_save, saved = ppo.score, ppo.save_checkpoint, {}
 
     def score(*args, **kwargs):                 # the third call is iteration 2
@@ -479,6 +481,7 @@ def test_check_finite_names_the_quantity():
                          advantage=torch.tensor([[0, float("inf"), 0], [float("nan"), 0, 0]]))
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_to_the_uninterrupted_table(tiny_reward_model, small_data,
                                                            tmp_path):
     """Kill a sweep in its second run, resume it: the first run is skipped, the second
@@ -508,7 +511,7 @@ def test_a_killed_sweep_resumes_to_the_uninterrupted_table(tiny_reward_model, sm
     assert report.differences(a, b) == []
 
 
-def test_a_failed_run_is_a_row_of_the_sweep(tiny_reward_model, small_data, tmp_path,
+def test_a_failed_run_is_a_row_of_the_sweep(tiny_judge, small_data, tmp_path,
                                             monkeypatch, capsys):
     """A run that goes NaN in a sweep is recorded, shown and skipped on --resume; the
     others run. (The NaN guard itself: the test above the sweep's.)"""
@@ -520,7 +523,7 @@ def test_a_failed_run_is_a_row_of_the_sweep(tiny_reward_model, small_data, tmp_p
         return real_train(cfg, beta, seed, *args, **kwargs)
 
     monkeypatch.setattr(ppo, "train", train)
-    argv = ["--preset", "tiny", "--reward-model", str(tiny_reward_model), "--data-dir",
+    argv = ["--preset", "tiny", "--reward-model", str(tiny_judge), "--data-dir",
             str(small_data), "--beta", "0", "0.5", "--iterations", "1", "--out", str(tmp_path)]
     ppo.main(argv)
     out = capsys.readouterr().out
@@ -678,14 +681,14 @@ def tiny_pool(tokenizer, n=8, tokens=64):
     ["--estimator", "grpo", "--samples-per-prompt", "2"],
     ["--estimator", "grpo", "--samples-per-prompt", "2", "--grpo-unbiased"],
 ])
-def test_every_estimator_trains_with_the_ratio_exactly_one(argv, tiny_reward_model, tiny,
+def test_every_estimator_trains_with_the_ratio_exactly_one(argv, tiny_judge, tiny,
                                                            tokenizer, tmp_path):
     """Two iterations on the tiny model: the ratio is exactly 1 at every first inner step
     (check_ratio would raise otherwise), the batch holds --batch x k responses, and only
     gae has a value head."""
     cfg = ppo.parse_args(["--preset", "tiny", "--iterations", "2", "--batch", "2",
                           "--out", str(tmp_path), *argv])
-    reward = rm.load_reward_model(tiny_reward_model)
+    reward = rm.load_reward_model(tiny_judge)
     models = (tiny, reward, tokenizer, torch.device("cpu"))
     _, value_head, results = ppo.train(cfg, 0.1, 0, models, tiny_pool(tokenizer), tmp_path,
                                        progress=False)
@@ -696,8 +699,8 @@ def test_every_estimator_trains_with_the_ratio_exactly_one(argv, tiny_reward_mod
         assert row["value_loss"] == 0.0 or cfg.estimator == "gae"
 
 
-def test_value_init_reward_copies_the_reward_models_head(tiny_reward_model):
-    reward = rm.load_reward_model(tiny_reward_model)
+def test_value_init_reward_copies_the_reward_models_head(tiny_judge):
+    reward = rm.load_reward_model(tiny_judge)
     head = ppo.init_value_head(ppo.ValueHead(reward.head.in_features), "reward", reward)
     hidden = torch.randn(3, reward.head.in_features)
     with torch.no_grad():
@@ -705,11 +708,11 @@ def test_value_init_reward_copies_the_reward_models_head(tiny_reward_model):
         assert ppo.init_value_head(head, "zero", reward)(hidden).abs().max().item() == 0.0
 
 
-def test_rloo_and_reinforce_resume_to_the_same_numbers(tiny_reward_model, tiny, tokenizer,
+def test_rloo_and_reinforce_resume_to_the_same_numbers(tiny_judge, tiny, tokenizer,
                                                        tmp_path):
     """RLOO with k = 2 and a REINFORCE run, each stopped after one iteration and resumed:
     the same numbers as straight through (the REINFORCE baseline is in the checkpoint)."""
-    reward = rm.load_reward_model(tiny_reward_model)
+    reward = rm.load_reward_model(tiny_judge)
     models = (tiny, reward, tokenizer, torch.device("cpu"))
     pool = tiny_pool(tokenizer)
     for argv in (["--estimator", "rloo", "--samples-per-prompt", "2"],
@@ -727,7 +730,7 @@ def test_rloo_and_reinforce_resume_to_the_same_numbers(tiny_reward_model, tiny, 
         assert report.differences(a["iterations"], b["iterations"]) == []
 
 
-def test_each_sample_keeps_its_prompts_group(tiny_reward_model, tiny, tokenizer, tmp_path,
+def test_each_sample_keeps_its_prompts_group(tiny_judge, tiny, tokenizer, tmp_path,
                                              monkeypatch):
     """k = 3: the rows that share a group id were sampled from the same prompt, and rows of
     different groups from different prompts, whatever order micro-batching runs them in."""
@@ -747,7 +750,7 @@ def test_each_sample_keeps_its_prompts_group(tiny_reward_model, tiny, tokenizer,
     cfg = ppo.parse_args(["--preset", "tiny", "--iterations", "1", "--batch", "3",
                           "--micro-batch", "2", "--estimator", "rloo",
                           "--samples-per-prompt", "3"])
-    models = (tiny, rm.load_reward_model(tiny_reward_model), tokenizer, torch.device("cpu"))
+    models = (tiny, rm.load_reward_model(tiny_judge), tokenizer, torch.device("cpu"))
     ppo.train(cfg, 0.1, 0, models, tiny_pool(tokenizer), tmp_path, progress=False)
     prompts, group = seen["prompts"], seen["group"]
     assert len(prompts) == 9 and group.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -756,6 +759,7 @@ def test_each_sample_keeps_its_prompts_group(tiny_reward_model, tiny, tokenizer,
             assert torch.equal(prompts[i], prompts[j]) == (group[i] == group[j]).item()
 
 
+@pytest.mark.slow
 def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_model, small_data,
                                                                 tmp_path):
     out = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
@@ -787,6 +791,7 @@ def test_compare_estimators_table_means_over_seeds_and_the_shared_objective():
     assert len({line.count("|") for line in text.splitlines()}) == 1
 
 
+@pytest.mark.slow
 def test_compare_estimators_times_each_setting(tiny_reward_model, small_data, tmp_path):
     out = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
               str(tiny_reward_model), "--time", "2", "--settings", "rloo_4x2", "reinforce",
@@ -836,6 +841,7 @@ def test_the_ratio_is_exactly_one_on_cuda_in_bf16(estimator, tiny_reward_model, 
         assert row["ratio_min"] == row["ratio_max"] == 1.0
 
 
+@pytest.mark.slow
 def test_check_gpu_dry_run_and_its_one_line_without_a_gpu(tmp_path):
     """`python -m tools.bench_ppo --check-gpu --dry-run`: the three steps at toy sizes on the
     CPU, one table, the JSON; without --dry-run on a machine with no GPU, one line and status 1."""

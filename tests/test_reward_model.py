@@ -356,6 +356,7 @@ def test_save_and_load_give_identical_scores(tmp_path):
     assert not any(p.requires_grad for p in loaded.parameters())
 
 
+@pytest.mark.slow
 def test_tiny_preset_runs_end_to_end_in_under_a_minute(tmp_path, comparisons):
     out = tmp_path / "rm"
     start = time.time()
@@ -595,6 +596,7 @@ def test_the_reference_is_sampled_with_ppos_settings():
                                      "top_p": cfg.top_p}
 
 
+@pytest.mark.slow
 def test_rm_relevance_reruns_a_saved_judges_test_and_repeats_its_numbers(tiny_reward_model):
     """tools/rm_relevance rebuilds the three sets from the saved seed and preset: on the
     machine that trained the judge, its accuracies are the ones in metrics.json."""
