@@ -99,11 +99,12 @@ def kl_per_token(logp, logp_ref, estimator="k1"):
     raise ValueError(f"kl_per_token: estimator must be 'k1' or 'k3', got {estimator!r}")
 
 
-def shaped_rewards(logp_old, logp_ref, score, beta, mask, kl=None):
-    """Per-token reward r_t: a KL penalty at every real token, the score at the last one.
+def shaped_rewards(logp_old, logp_ref, rewards, beta, mask, kl=None):
+    """Per-token reward r_t (the post's `per_token`): a KL penalty at every real token, the
+    reward model's score at the last one.
 
-    in:  logp_old, logp_ref (B, T) log-probs of the taken tokens; score (B,) one number per
-         response; beta a float; mask (B, T); kl optional (B, T) precomputed estimate (k3)
+    in:  logp_old, logp_ref (B, T) log-probs of the taken tokens; rewards (B,) the score of
+         each response; beta a float; mask (B, T); kl optional (B, T) precomputed (k3)
     out: r_t (B, T), exactly 0 after the last real token
     """
     m = mask.bool()                                     # (B, T)
@@ -112,18 +113,19 @@ def shaped_rewards(logp_old, logp_ref, score, beta, mask, kl=None):
     # (3)  r_t = -beta D_KL^(t) + 1{t=T} r_score(x, y)
     # Deviation 1: the penalty stops at the first EOS (where, not multiply, so junk
     # log-probs on padding cannot leak in as NaN).
-    rewards = torch.where(m, -beta * kl, torch.zeros_like(kl))      # (B, T)
+    per_token = torch.where(m, -beta * kl, torch.zeros_like(kl))    # (B, T)
     # Deviation 2: "t=T" is each response's own last real token, not column -1.
     last = last_token_index(m)                          # (B,)
-    return rewards.scatter_add(1, last[:, None], score.to(rewards.dtype)[:, None])  # (B, T)
+    return per_token.scatter_add(1, last[:, None],
+                                 rewards.to(per_token.dtype)[:, None])  # (B, T)
 
 
 # ---------------------------------------------------------------- eq. (5)-(7): GAE, returns
 
-def advantages_and_returns(rewards, values, mask, gamma=GAMMA, lam=LAM):
+def advantages_and_returns(per_token, values, mask, gamma=GAMMA, lam=LAM):
     """TD errors, then GAE backwards, then reward-to-go, over real tokens only.
 
-    in:  r_t and V(s_t), both (B, T); mask (B, T)
+    in:  per_token r_t and V(s_t), both (B, T); mask (B, T)
     out: adv A_t and ret R_t (the value target), both (B, T), 0 at padded positions
 
     One pass from t = T-1 down to 0, vectorised over the batch. The recursion
@@ -131,16 +133,16 @@ def advantages_and_returns(rewards, values, mask, gamma=GAMMA, lam=LAM):
     double sum. Rows whose mask is all zero come out as exact zeros.
     """
     m = mask.bool()                                     # (B, T)
-    zero = torch.zeros_like(rewards)                    # (B, T)
-    r = torch.where(m, rewards, zero)                   # (B, T) Deviation 1: no reward on padding
-    v = torch.where(m, values.to(rewards.dtype), zero)  # (B, T) ... and no value either
+    zero = torch.zeros_like(per_token)                  # (B, T)
+    r = torch.where(m, per_token, zero)                 # (B, T) Deviation 1: no reward on padding
+    v = torch.where(m, values.to(r.dtype), zero)        # (B, T) ... and no value either
     # (B, T+1): a zero column past the end. Together with v = 0 on padding this makes
     # V(s_{t+1}) = 0 past each row's last real token (Deviation 1); the post's listing
     # has the zero only past column T-1.
     v_next = torch.cat([v[:, 1:], zero[:, :1]], 1)      # (B, T) V(s_{t+1})
-    adv = torch.zeros_like(rewards)                     # (B, T)
+    adv = torch.zeros_like(per_token)                   # (B, T)
     running = zero[:, 0]                                # (B,) A_{t+1}, 0 past the end
-    for t in reversed(range(rewards.shape[1])):
+    for t in reversed(range(per_token.shape[1])):
         # (5)  delta_t = r_t + gamma V(s_{t+1}) - V(s_t)
         delta = r[:, t] + gamma * v_next[:, t] - v[:, t]            # (B,)
         # (6)  A_t = sum_{l=0}^{T-t-1} (gamma lam)^l delta_{t+l} = delta_t + gamma lam A_{t+1}
@@ -185,10 +187,11 @@ def whiten(x, mask, shift_mean=True, eps=1e-6):
 ESTIMATORS = ("gae", "rloo", "reinforce", "grpo")
 
 
-def sequence_rewards(score, kl, mask, beta):
-    """R(x, y) = r_phi(x, y) - beta sum_t KL_t over the response's real tokens. (B,)"""
+def sequence_rewards(rewards, kl, mask, beta):
+    """R(x, y) = r_phi(x, y) - beta sum_t KL_t over the response's real tokens: rewards (B,)
+    the reward model's scores, kl and mask (B, T). (B,)"""
     # R(x, y) = r(x, y) - beta sum_t D_KL^(t)      (the note's bandit view of eq. (3))
-    return score - beta * torch.where(mask.bool(), kl, 0.0).sum(-1)
+    return rewards - beta * torch.where(mask.bool(), kl, 0.0).sum(-1)
 
 
 def _group_sums(x, group):
@@ -275,7 +278,7 @@ def sequence_advantages(estimator, R, group, baseline=None, decay=0.9, unbiased=
                      f"got {estimator!r}")
 
 
-def per_token(adv, mask, length_normalise=False):
+def spread_over_tokens(adv, mask, length_normalise=False):
     """A sequence's advantage on each of its real tokens, 0 after its EOS. adv (B,) -> (B, T).
 
     `length_normalise` divides by the response's length |y_i|: GRPO's per-sequence average
@@ -335,19 +338,19 @@ if __name__ == "__main__":
                              [-0.9, -1.0, -0.9, -1.1, -0.6]])           # (B, T)
     values = torch.tensor([[0.3, 0.5, 0.8, 9.0, 9.0],                   # 9.0: junk on padding
                            [0.1, 0.0, -0.2, -0.3, -0.4]])               # (B, T)
-    score = torch.tensor([1.0, -0.5])                                   # (B,)
+    rewards = torch.tensor([1.0, -0.5])                                 # (B,) scores
 
     mask = response_mask(actions, EOS)                                  # (B, T)
-    rewards = shaped_rewards(logp_old, logp_ref, score, beta, mask)     # (B, T)
-    deltas, _ = advantages_and_returns(rewards, values, mask, lam=0.0)  # (B, T) lambda 0: delta_t
-    adv, ret = advantages_and_returns(rewards, values, mask)            # (B, T)
+    per_token = shaped_rewards(logp_old, logp_ref, rewards, beta, mask)  # (B, T)
+    deltas, _ = advantages_and_returns(per_token, values, mask, lam=0.0)  # (B, T) lambda 0
+    adv, ret = advantages_and_returns(per_token, values, mask)          # (B, T)
     print(f"gamma = {GAMMA}, lambda = {LAM}, beta = {beta}, EOS id = {EOS}, "
-          f"score = {score.tolist()}, last real token = {last_token_index(mask).tolist()}")
+          f"rewards = {rewards.tolist()}, last real token = {last_token_index(mask).tolist()}")
     print("actions\n   " + "\n   ".join(" ".join(f"{a:7d}" for a in row)
                                         for row in actions.tolist()))
     _show("mask (1 up to and including the first EOS)", mask)
     _show("k1 KL  log pi_old - log pi_ref   (4)", kl_per_token(logp_old, logp_ref))
-    _show("r_t  -beta KL + score at the last real token   (3)", rewards)
+    _show("r_t  -beta KL + score at the last real token   (3)", per_token)
     _show("V(s_t) as the value head gave it (junk on padding)", values)
     _show("delta_t   (5)", deltas)
     _show("A_t   (6)", adv)

@@ -5,17 +5,19 @@ hyperparameters, then its functions in its order (`generate`, `token_log_probs`,
 `fluency`, `ValueHead`, `policy_forward`, `shaped_rewards` and `advantages_and_returns`
 from gae.py, `ppo_losses`, `train`), with equations (1)-(14) numbered as in the post above
 the lines that compute them. What the post does not have (resume, timers, torchrun,
-reports) is one call away in support/; `# ---- plumbing` marks where the loop calls it.
+reports) is one call away in support/; `# ---- plumbing` marks where the loop calls it. The
+run's settings (the Config of flags, the presets) and `main` come last.
 
     reference  SmolLM2-135M-Instruct, frozen                      (loaders.py)
     policy     the reference's weights + a LoRA adapter           (lora.py)
     reward     the Bradley-Terry model fitted by reward_model.py  (reward_model.py)
     value      a linear head on the policy's last hidden state    (ValueHead, below)
 
-Legend: logp = log pi_theta(a_t|s_t), the policy being updated; logp_old, the policy that
-sampled the batch; logp_ref, the frozen reference; values V(s_t); adv A_t; ret R_t; mask 1
-up to and including the first EOS; P, T prompt (left-padded) and response lengths; B the
-batch.
+Legend: rewards, the reward model's score of each summary (B,); per_token, the shaped
+reward r_t of (3); logp = log pi_theta(a_t|s_t), the policy being updated; logp_old, the
+policy that sampled the batch; logp_ref, the frozen reference; values V(s_t); adv A_t; ret
+R_t; mask 1 up to and including the first EOS; P, T prompt (left-padded) and response
+lengths; B the batch.
 
 Departures from the post, each repeated at its line:
     1. Masks: a response ends at its first EOS; nothing after it gets reward, KL, advantage
@@ -56,33 +58,29 @@ import contextlib
 import copy
 import dataclasses
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# OpenMP threads that spin while waiting lose ~10x on a shared 2-core machine (see
-# reward_model.py); sleeping ones cost nothing measurable on an idle one. Before torch.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from support import parallel    # first: it sets what torch and tqdm read as they load
+import torch
+from torch import nn
+from tqdm import tqdm
 
-from support import parallel  # noqa: E402  (before tqdm: it turns bars off on ranks but 0)
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import kernels  # noqa: E402
-import loaders  # noqa: E402
-import reward_model as rm  # noqa: E402
-from gae import (ESTIMATORS, GAMMA, LAM, AdaptiveKLController,  # noqa: E402
-                 advantages_and_returns, ended_with_eos, kl_per_token, per_token,
-                 response_mask, sequence_advantages, sequence_rewards, shaped_rewards, whiten)
-from loaders import encode, micro_batches  # noqa: E402
-from lora import adapter_numel, with_lora  # noqa: E402
-from support import cli, disk  # noqa: E402
-from support.config import option, read_config  # noqa: E402
-from support.heldout import evaluate_run, reference_and_human  # noqa: E402
-from support.measures import copied_bigrams  # noqa: E402
-from support.report import (Laps, NonFiniteError, check_finite,  # noqa: E402
+import kernels
+import loaders
+import reward_model as rm
+from gae import (ESTIMATORS, GAMMA, LAM, AdaptiveKLController,
+                 advantages_and_returns, ended_with_eos, kl_per_token, response_mask,
+                 sequence_advantages, sequence_rewards, shaped_rewards, spread_over_tokens,
+                 whiten)
+from loaders import encode, micro_batches
+from lora import adapter_numel, with_lora
+from support import cli, disk
+from support.config import option, read_config
+from support.heldout import evaluate_run, reference_and_human
+from support.measures import copied_bigrams
+from support.report import (Laps, NonFiniteError, check_finite,
                             check_run_folders, checkpoint_iteration, finished_row,
                             has_checkpoint, iteration_row, record_failure, record_iteration,
                             report_sweep, resume_hint, run_bytes, save_checkpoint,
@@ -103,136 +101,6 @@ VALUE_LR = 1e-4         # the value head's learning rate
 # GAMMA = 0.99 (discount) and LAM = 0.95 (GAE lambda) of (5)-(6) live with the GAE, gae.py
 ITERATIONS = 100        # PPO iterations per run
 # The post's LORA_R = 16 and LORA_ALPHA = 32 live with the adapter, lora.py.
-
-
-@dataclass
-class Config:
-    """Every setting of a run: the post's hyperparameters first, then the extras, then how
-    the run is organised. Each is a flag (support/config.py); presets below."""
-    # ---- the post's hyperparameters
-    beta: list = option((0.1,), "KL coefficient(s) of (3); several run a sweep")
-    iterations: int = option(ITERATIONS, "PPO iterations per run (the post: 100)")
-    batch: int = option(BATCH, "prompts per iteration, BATCH (the post: 16)")
-    prompt_tokens: int = option(PROMPT_TOKENS, "PROMPT_TOKENS, longer posts are cut (the "
-                                               "post: 256)")
-    max_new_tokens: int = option(MAX_NEW_TOKENS, "MAX_NEW_TOKENS (the post: 48)")
-    temperature: float = option(TEMPERATURE, "sampling temperature (the post: 1.0)")
-    top_k: int = option(TOP_K, "top-k sampling (the post: 50)")
-    top_p: float = option(TOP_P, "nucleus sampling (the post: 0.95)")
-    inner_steps: int = option(INNER_STEPS, "clipped updates per batch, INNER_STEPS (the post: 2)")
-    lr: float = option(LR, "adapter learning rate, LR (the post: 1e-4)")
-    value_lr: float = option(VALUE_LR, "value head learning rate, VALUE_LR (the post: 1e-4)")
-    clip: float = option(CLIP, "PPO clip epsilon, CLIP (the post: 0.2)")
-    gamma: float = option(GAMMA, "discount gamma (the post: 0.99)")
-    lam: float = option(LAM, "GAE lambda (the post: 0.95)")
-    # ---- the loss's other terms (14), 0 as in the post, and the departures' extras
-    vf_coef: float = option(1.0, "c_v in (14) (the post: 1)")
-    ent_coef: float = option(0.0, "c_ent in (14), the entropy bonus (12) (the post: 0)")
-    ptx_coef: float = option(0.0, "c_ptx in (14), LM loss (13) on human TL;DRs (the post: 0)")
-    target_kl: float = option(None, "if set, adapt beta toward this KL per sequence (nats), "
-                                  "Ziegler et al.'s controller; --beta is the start")
-    kl_estimator: str = option("k1", "per-token KL estimate for the penalty: k1 (the post) or k3")
-    missing_eos_penalty: float = option(None, "if set, the score of a response with no EOS")
-    reward: str = option(rm.DEFAULT_PART, "the score PPO maximises: content, f with length "
-                         "partialled out (departure 8), or full, f + w*g(length)")
-    estimator: str = option("gae", "the advantage: gae (the post's, with a value head), or "
-                            "rloo, reinforce, grpo (the PPO/RLOO note; departure 9)")
-    samples_per_prompt: int = option(1, "k, responses sampled per prompt: a batch holds "
-                                        "--batch x k responses; rloo and grpo need k >= 2")
-    grpo_unbiased: bool = option(False, "grpo: Dr. GRPO's advantage, R - group mean, with "
-                                        "neither the 1/std nor the 1/length of GRPO")
-    reinforce_decay: float = option(0.9, "reinforce: decay of the moving-average baseline")
-    value_clip: float = option(None, "gae: clip the value loss at this eps_v around the old "
-                                     "values (Ziegler, Stiennon: 0.2 with --vf-coef 0.1)")
-    value_init: str = option("post", "gae: the value head's start: post (nn.Linear's init), "
-                                     "zero, or reward (the reward model's head, as Stiennon)")
-    whiten_rewards: bool = option(False, "gae: scale the shaped rewards to unit variance "
-                                         "before GAE (Stiennon et al.)")
-    # ---- the run: seeds, speed, evaluation, files
-    preset: str = option("auto", "blog (CUDA/MPS default), cpu (CPU default) or tiny (tests)")
-    seeds: list = option((0,), "seed(s); every (beta, seed) pair is one run")
-    micro_batch: int = option(16, "sequences per forward (and backward) in the old, reference "
-                                "and inner-step passes; same gradient, less memory")
-    precision: str = option("fp32", "fp32 (the post), bf16 (the bodies under autocast, "
-                                  "departure 7) or auto: bf16 on native bf16 matmuls")
-    eval_prompts: int = option(64, "held-out prompts for the final evaluation")
-    checkpoint_every: int = option(10, "save a resumable checkpoint every N iterations")
-    reward_model: str = option("runs/reward_model", "folder written by reward_model.py")
-    out: str = option(None, "output folder (default runs/ppo_beta{b}_seed{s}, or runs/ppo_sweep)")
-    resume: bool = option(False, "continue the run in --out from its last checkpoint")
-    force: bool = option(False, "with --resume: continue although the checkpoint's settings "
-                                "differ; without: start over in an --out that holds a run")
-    model: str = loaders.POLICY_NAME                # --model and --data-dir: loaders.py
-    data_dir: str = None
-
-
-PRESETS = {
-    # The post's hyperparameters, for a GPU or Apple silicon. Micro-batches of 4 give the same
-    # gradient as the full batch with a third of the post's peak memory (tools/bench_ppo.py).
-    # bf16 bodies where the hardware has native bf16 matmuls (0.37x the post's fp32 time on
-    # a 2-core CPU with AVX512-BF16, against 0.75x in fp32: tools/bench_ppo.py); fp32 elsewhere.
-    "blog": dict(iterations=100, batch=16, prompt_tokens=256, micro_batch=4, eval_prompts=64,
-                 precision="auto"),
-    # Same algorithm on a 2-core CPU in <= 20 minutes: shorter prompts, fewer iterations,
-    # micro-batches of 4 to keep memory down.
-    # At the post's LR of 1e-4, 36 iterations left the policy where it started (held-out KL
-    # to the reference -0.04 nats, clipfrac 0): a 5x larger step makes up for running about
-    # a third of the post's 100 iterations on half its batch.
-    # 64 held-out posts: at 32, a gain of +0.32 (paired SD over posts ~1.3) was 1.4 SE; at
-    # 64 the same gain would be 2 SE.
-    "cpu": dict(iterations=36, batch=8, prompt_tokens=128, micro_batch=4, eval_prompts=64,
-                lr=5e-4, value_lr=5e-4, checkpoint_every=6),   # 21-45 s an iteration, 2 cores
-    # Seconds, for tests: the tiny random model (loaders.tiny_model) and a tiny reward model.
-    "tiny": dict(iterations=3, batch=4, prompt_tokens=64, max_new_tokens=8, micro_batch=2,
-                 eval_prompts=4, checkpoint_every=2),
-}
-# Flags with a fixed set of values, and every numeric flag's range (support/cli.py): both
-# are checked right after parsing, before anything loads; a bad value exits with one line.
-CHOICES = {"preset": ("auto", "blog", "cpu", "tiny"), "reward": rm.PARTS,
-           "kl_estimator": ("k1", "k3"), "precision": ("fp32", "bf16", "auto"),
-           "estimator": ESTIMATORS, "value_init": ("post", "zero", "reward")}
-RANGES = {
-    "beta": cli.NON_NEGATIVE, "seeds": cli.NON_NEGATIVE, "iterations": cli.COUNT,
-    "batch": cli.COUNT, "prompt_tokens": cli.Range(loaders.PROMPT_TEMPLATE_TOKENS),
-    "max_new_tokens": cli.COUNT, "temperature": cli.POSITIVE, "top_k": cli.NON_NEGATIVE,
-    "top_p": cli.Range(0, 1, low_open=True), "inner_steps": cli.COUNT,
-    "lr": cli.POSITIVE, "value_lr": cli.POSITIVE,
-    # clip = 0 caps every ratio at 1 in (9): the policy can never move past pi_old, so no
-    # update would be made. Refused rather than run.
-    "clip": cli.Range(0, 1, low_open=True, high_open=True),
-    "gamma": cli.UNIT, "lam": cli.UNIT, "vf_coef": cli.NON_NEGATIVE,
-    "ent_coef": cli.NON_NEGATIVE, "ptx_coef": cli.NON_NEGATIVE, "target_kl": cli.POSITIVE,
-    "missing_eos_penalty": cli.FINITE, "micro_batch": cli.COUNT,
-    "eval_prompts": cli.Range(1, loaders.EVAL_RESERVE), "checkpoint_every": cli.COUNT,
-    "samples_per_prompt": cli.COUNT, "reinforce_decay": cli.UNIT, "value_clip": cli.POSITIVE,
-}
-
-def parse_args(argv=None):
-    """Config from the command line: defaults, then the preset, then explicit flags. Then
-    every value is checked (CHOICES, RANGES, --out, --data-dir, --model): a bad one exits
-    with status 2 and one line, before anything loads."""
-    cfg, parser = read_config(Config, PRESETS, RANGES, CHOICES, argv, __doc__.splitlines()[0])
-    for beta, seed in runs(cfg):
-        if problem := cli.out_problem(run_dir_for(cfg, beta, seed)):
-            parser.error(problem)
-    if cfg.precision == "auto":
-        cfg.precision = "bf16" if loaders.native_bf16(loaders.pick_device()) else "fp32"
-    if cfg.precision == "bf16" and loaders.pick_device().type == "mps":
-        parser.error("argument --precision: bf16 runs on CUDA and on CPUs here; on Apple MPS "
-                     "use fp32 (bf16 autocast there is untested)")
-    if cfg.estimator in ("rloo", "grpo") and cfg.samples_per_prompt < 2:
-        parser.error(f"argument --samples-per-prompt: --estimator {cfg.estimator} needs at "
-                     f"least 2 samples per prompt, got {cfg.samples_per_prompt}")
-    gae_only = [flag for flag, on in (("--value-clip", cfg.value_clip is not None),
-                                      ("--value-init", cfg.value_init != "post"),
-                                      ("--whiten-rewards", cfg.whiten_rewards)) if on]
-    if cfg.estimator != "gae" and gae_only:
-        parser.error(f"argument {gae_only[0]}: applies to --estimator gae only (there is no "
-                     f"value head with --estimator {cfg.estimator})")
-    responses = cfg.batch * cfg.samples_per_prompt
-    if responses % cfg.micro_batch:
-        cfg.micro_batch = math.gcd(responses, cfg.micro_batch)
-    return cfg
 
 
 # ============================================ ALGO LOGIC: the post's functions, in its order
@@ -288,7 +156,7 @@ def token_log_probs(model, sequences, attention_mask, actions, temperature=1.0):
 @torch.no_grad()
 def score(reward, prompt_ids, prompt_mask, actions, mask, missing_eos_penalty=None, eos_id=2,
           groups=None, part=rm.DEFAULT_PART):
-    """The reward model's score for each post and sampled summary, (B,).
+    """The reward model's score for each post and sampled summary: the post's `rewards`, (B,).
 
     Departure 2: the reward model reads the sampled ids (its tokenizer is the
     policy's), at the last real token (departure 1). No decode, no re-encode.
@@ -296,14 +164,15 @@ def score(reward, prompt_ids, prompt_mask, actions, mask, missing_eos_penalty=No
     Departure 8: `part` picks the score (rm.PARTS, --reward), "content" f (the default)
     or "full" f + w g(length).
     """
-    scores = torch.empty(len(actions), device=actions.device)  # (B,)
+    rewards = torch.empty(len(actions), device=actions.device)  # (B,)
     for rows, first in groups or micro_batches(prompt_mask, len(actions)):
-        scores[rows] = rm.score_ids(reward, prompt_ids[rows, first:], prompt_mask[rows, first:],
-                                    actions[rows], mask[rows], part=part).float()
+        rewards[rows] = rm.score_ids(reward, prompt_ids[rows, first:],
+                                     prompt_mask[rows, first:], actions[rows], mask[rows],
+                                     part=part).float()
     if missing_eos_penalty is not None:                         # Ziegler et al.'s "EOS trick"
         ended = ended_with_eos(actions, mask, eos_id)           # (B,)
-        scores = torch.where(ended, scores, torch.full_like(scores, missing_eos_penalty))
-    return scores
+        rewards = torch.where(ended, rewards, torch.full_like(rewards, missing_eos_penalty))
+    return rewards
 
 
 @torch.no_grad()
@@ -486,21 +355,29 @@ def check_ratio(ratio, tolerance=1e-5):
 
 # -------------------------------------------------------------------------- the loop
 
-def one_action_advantages(cfg, scores, kl, mask, beta, prompt_of, baseline):
+class OneActionAdvantages:
     """Departure 9 (--estimator rloo, reinforce, grpo): the response as one action, its
-    baseline from other samples, not from a value head. scores (B,), kl and mask (B, T),
-    prompt_of (B,) each response's post over the whole batch (every rank's, under torchrun).
-    Returns A_i on each real token (B, T) and the next REINFORCE baseline."""
-    # R(x, y) = r_phi(x, y) - beta sum_t D_KL^(t)
-    R = sequence_rewards(scores, kl, mask, beta)                                  # (B,)
-    # A_i = R_i - b_i; b_i the mean of the prompt's other samples (rloo), a moving average
-    # (reinforce), the group mean, A_i then / group std (grpo)
-    adv, baseline = sequence_advantages(cfg.estimator, parallel.gather(R), prompt_of,
-                                        baseline, cfg.reinforce_decay, cfg.grpo_unbiased)
-    # A_i on each real token, not whitened; GRPO averages a response's tokens (1/|y_i|)
-    adv = per_token(parallel.mine(adv), mask, length_normalise=cfg.estimator == "grpo"
-                    and not cfg.grpo_unbiased)                                    # (B, T)
-    return adv, baseline
+    baseline from other samples, not from a value head. It keeps the one state such an
+    estimator carries from batch to batch, REINFORCE's moving-average `baseline` (None
+    until the first batch), which the checkpoint saves."""
+
+    def __init__(self, cfg):
+        self.cfg, self.baseline = cfg, None
+
+    def __call__(self, rewards, kl, mask, beta, prompt_of):
+        """A_i on each real token (B, T). rewards (B,), kl and mask (B, T); prompt_of (B,)
+        each response's post over the whole batch (every rank's, under torchrun)."""
+        cfg = self.cfg
+        # R(x, y) = r_phi(x, y) - beta sum_t D_KL^(t)
+        R = sequence_rewards(rewards, kl, mask, beta)                             # (B,)
+        # A_i = R_i - b_i; b_i the mean of the prompt's other samples (rloo), a moving
+        # average (reinforce), the group mean, A_i then / group std (grpo)
+        adv, self.baseline = sequence_advantages(cfg.estimator, parallel.gather(R), prompt_of,
+                                                 self.baseline, cfg.reinforce_decay,
+                                                 cfg.grpo_unbiased)
+        # A_i on each real token, not whitened; GRPO averages a response's tokens (1/|y_i|)
+        return spread_over_tokens(parallel.mine(adv), mask, length_normalise=(
+            cfg.estimator == "grpo" and not cfg.grpo_unbiased))                   # (B, T)
 
 
 def make_optimizer(policy, value_head, cfg):
@@ -539,9 +416,10 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
     policy, value_head = policy_and_value(reference, reward, cfg, device)
     optimizer, trainable = make_optimizer(policy, value_head, cfg)
     parallel.seed_sampling(seed)                # under torchrun, each rank its own stream
+    one_action = OneActionAdvantages(cfg) if cfg.estimator != "gae" else None  # departure 9
     # ---- plumbing: results.json (rewritten each iteration), or a resumed run's checkpoint
-    start, beta, baseline, results = start_results(run_dir, cfg.resume, run_config(
-        cfg, beta, seed), policy, value_head, optimizer, beta)
+    start, beta, results = start_results(run_dir, cfg.resume, run_config(cfg, beta, seed),
+                                         policy, value_head, optimizer, beta, one_action)
     controller = AdaptiveKLController(beta, cfg.target_kl) if cfg.target_kl else None
     bar = tqdm(range(start, cfg.iterations), desc=f"beta={beta:g} seed={seed}",
                disable=not progress, initial=start, total=cfg.iterations)
@@ -560,9 +438,9 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         lap("generate")
         # ---- 2. score the finished summaries (ids, not text)
         with loaders.precision(cfg, device):
-            scores = score(reward, prompt_ids, prompt_mask, actions, mask,
-                           cfg.missing_eos_penalty, eos, groups, cfg.reward)    # (B,)
-        check_finite(iteration, score=scores)
+            rewards = score(reward, prompt_ids, prompt_mask, actions, mask,
+                            cfg.missing_eos_penalty, eos, groups, cfg.reward)   # (B,)
+        check_finite(iteration, score=rewards)
         lap("score")
         # ---- 3. old log-probs and values (training path), reference log-probs
         logp_old, values, logp_ref = old_and_reference(policy, value_head, reference, sequences,
@@ -573,19 +451,19 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
             # (4)  D_KL^(t) ~= log pi_old(a_t|s_t) - log pi_ref(a_t|s_t)   (k1; k3 if asked)
             kl = kl_per_token(logp_old, logp_ref, cfg.kl_estimator)         # (B, T)
             # (3)  r_t = -beta D_KL^(t) + 1{t=T} r_score, T each response's last real token
-            rewards = shaped_rewards(logp_old, logp_ref, scores, beta_now, mask, kl=kl)
+            per_token = shaped_rewards(logp_old, logp_ref, rewards, beta_now, mask, kl=kl)
             # whitening and baselines see the whole batch, every rank's rows (parallel.py)
-            if cfg.estimator == "gae":
+            if one_action is None:
                 if cfg.whiten_rewards:                  # Stiennon et al.: rescaled, not shifted
-                    rewards = parallel.across(whiten, rewards, mask, shift_mean=False)
+                    per_token = parallel.across(whiten, per_token, mask, shift_mean=False)
                 # (5)-(7)  delta_t, A_t = sum_l (gamma lam)^l delta_{t+l}, R_t = A_t + V(s_t)
-                adv, ret = advantages_and_returns(rewards, values, mask, cfg.gamma,
+                adv, ret = advantages_and_returns(per_token, values, mask, cfg.gamma,
                                                   cfg.lam)                  # (B, T) each
                 adv = parallel.across(whiten, adv, mask)        # (B, T) over real tokens only
             else:                                       # departure 9: no value head to fit
-                (adv, baseline), ret = one_action_advantages(cfg, scores, kl, mask, beta_now,
-                                                             prompt_of, baseline), None
-            check_finite(iteration, reward=rewards, advantage=adv)
+                adv = one_action(rewards, kl, mask, beta_now, prompt_of)    # (B, T)
+                ret = None
+            check_finite(iteration, reward=per_token, advantage=adv)
         lap("forward")
         # ---- 5. INNER_STEPS clipped updates on this batch
         batch = Rollout(iteration, sequences, attention, actions, mask, logp_old, values, adv,
@@ -602,14 +480,17 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
             logs.append(log)
         lap("update")
         # ---- plumbing: the iteration's row (whole batch), results.json, a checkpoint
-        whole = map(parallel.gather, (scores, rewards, kl, values, ret, mask, actions))
-        row = iteration_row(iteration, *whole, eos, logs, ratio_min, ratio_max, beta_now)
+        whole = {name: parallel.gather(x) for name, x in dict(     # every rank's rows
+            rewards=rewards, per_token=per_token, kl=kl, values=values, ret=ret, mask=mask,
+            actions=actions).items()}
+        row = iteration_row(iteration, **whole, eos=eos, logs=logs, ratio_min=ratio_min,
+                            ratio_max=ratio_max, beta=beta_now)
         if controller:                                  # on the batch's KL per sequence
             controller.update(row["kl"])
         record_iteration(results, row, lap, run_dir, device, bar)
         if (iteration + 1) % cfg.checkpoint_every == 0 or iteration + 1 == cfg.iterations:
             save_checkpoint(run_dir, iteration, policy, value_head, optimizer,
-                            controller.beta if controller else beta, baseline)
+                            controller.beta if controller else beta, one_action)
     return policy, value_head, results
 
 
@@ -675,8 +556,8 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
             sequences, actions = generate(model, prompt_ids, prompt_mask, cfg, eos)
             mask = response_mask(actions, eos)
             attention = full_mask(prompt_mask, actions)
-            scores = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos,
-                               part=cfg.reward)                                      # (b,)
+            rewards = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos,
+                            part=cfg.reward)                                         # (b,)
             flu = fluency(reference, sequences, attention, actions, mask,
                               cfg.temperature)                                       # (b,)
             # KL of a summary: sum_t logp - logp_ref = (its log-prob under `model`) - fluency
@@ -687,14 +568,145 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
             ids = actions[b][m[b]].tolist()
             words = ids[:-1] if ended[b] else ids               # the summary without its EOS
             post = prompt_ids[b][prompt_mask[b].bool()].tolist()   # its prompt, no padding
-            out.append({"reward": scores[b].item(), "fluency": flu[b].item(),
+            out.append({"reward": rewards[b].item(), "fluency": flu[b].item(),
                         "kl": (own[b] - flu[b]).item(), "length": len(ids), "ids": ids,
                         "eos": bool(ended[b]), "copied_bigrams": copied_bigrams(words, post),
                         "text": tokenizer.decode(ids, skip_special_tokens=True)})
     return out
 
 
-# ======================================================== plumbing: runs, sweeps, main
+# ========================== plumbing: the run's settings (flags, presets), runs, sweeps, main
+
+@dataclass
+class Config:
+    """Every setting of a run: the post's hyperparameters first, then the extras, then how
+    the run is organised. Each is a flag (support/config.py); presets below."""
+    # ---- the post's hyperparameters
+    beta: list = option((0.1,), "KL coefficient(s) of (3); several run a sweep")
+    iterations: int = option(ITERATIONS, "PPO iterations per run (the post: 100)")
+    batch: int = option(BATCH, "prompts per iteration, BATCH (the post: 16)")
+    prompt_tokens: int = option(PROMPT_TOKENS, "PROMPT_TOKENS, longer posts are cut (the "
+                                               "post: 256)")
+    max_new_tokens: int = option(MAX_NEW_TOKENS, "MAX_NEW_TOKENS (the post: 48)")
+    temperature: float = option(TEMPERATURE, "sampling temperature (the post: 1.0)")
+    top_k: int = option(TOP_K, "top-k sampling (the post: 50)")
+    top_p: float = option(TOP_P, "nucleus sampling (the post: 0.95)")
+    inner_steps: int = option(INNER_STEPS, "clipped updates per batch, INNER_STEPS (the post: 2)")
+    lr: float = option(LR, "adapter learning rate, LR (the post: 1e-4)")
+    value_lr: float = option(VALUE_LR, "value head learning rate, VALUE_LR (the post: 1e-4)")
+    clip: float = option(CLIP, "PPO clip epsilon, CLIP (the post: 0.2)")
+    gamma: float = option(GAMMA, "discount gamma (the post: 0.99)")
+    lam: float = option(LAM, "GAE lambda (the post: 0.95)")
+    # ---- the loss's other terms (14), 0 as in the post, and the departures' extras
+    vf_coef: float = option(1.0, "c_v in (14) (the post: 1)")
+    ent_coef: float = option(0.0, "c_ent in (14), the entropy bonus (12) (the post: 0)")
+    ptx_coef: float = option(0.0, "c_ptx in (14), LM loss (13) on human TL;DRs (the post: 0)")
+    target_kl: float = option(None, "if set, adapt beta toward this KL per sequence (nats), "
+                                  "Ziegler et al.'s controller; --beta is the start")
+    kl_estimator: str = option("k1", "per-token KL estimate for the penalty: k1 (the post) or k3")
+    missing_eos_penalty: float = option(None, "if set, the score of a response with no EOS")
+    reward: str = option(rm.DEFAULT_PART, "the score PPO maximises: content, f with length "
+                         "partialled out (departure 8), or full, f + w*g(length)")
+    estimator: str = option("gae", "the advantage: gae (the post's, with a value head), or "
+                            "rloo, reinforce, grpo (the PPO/RLOO note; departure 9)")
+    samples_per_prompt: int = option(1, "k, responses sampled per prompt: a batch holds "
+                                        "--batch x k responses; rloo and grpo need k >= 2")
+    grpo_unbiased: bool = option(False, "grpo: Dr. GRPO's advantage, R - group mean, with "
+                                        "neither the 1/std nor the 1/length of GRPO")
+    reinforce_decay: float = option(0.9, "reinforce: decay of the moving-average baseline")
+    value_clip: float = option(None, "gae: clip the value loss at this eps_v around the old "
+                                     "values (Ziegler, Stiennon: 0.2 with --vf-coef 0.1)")
+    value_init: str = option("post", "gae: the value head's start: post (nn.Linear's init), "
+                                     "zero, or reward (the reward model's head, as Stiennon)")
+    whiten_rewards: bool = option(False, "gae: scale the shaped rewards to unit variance "
+                                         "before GAE (Stiennon et al.)")
+    # ---- the run: seeds, speed, evaluation, files
+    preset: str = option("auto", "blog (CUDA/MPS default), cpu (CPU default) or tiny (tests)")
+    seeds: list = option((0,), "seed(s); every (beta, seed) pair is one run")
+    micro_batch: int = option(16, "sequences per forward (and backward) in the old, reference "
+                                "and inner-step passes; same gradient, less memory")
+    precision: str = option("fp32", "fp32 (the post), bf16 (the bodies under autocast, "
+                                  "departure 7) or auto: bf16 on native bf16 matmuls")
+    eval_prompts: int = option(64, "held-out prompts for the final evaluation")
+    checkpoint_every: int = option(10, "save a resumable checkpoint every N iterations")
+    reward_model: str = option("runs/reward_model", "folder written by reward_model.py")
+    out: str = option(None, "output folder (default runs/ppo_beta{b}_seed{s}, or runs/ppo_sweep)")
+    resume: bool = option(False, "continue the run in --out from its last checkpoint")
+    force: bool = option(False, "with --resume: continue although the checkpoint's settings "
+                                "differ; without: start over in an --out that holds a run")
+    model: str = loaders.POLICY_NAME                # --model and --data-dir: loaders.py
+    data_dir: str = None
+
+
+PRESETS = {
+    # The post's hyperparameters, for a GPU or Apple silicon. Micro-batches of 4 give the same
+    # gradient as the full batch with a third of the post's peak memory (tools/bench_ppo.py).
+    # bf16 bodies where the hardware has native bf16 matmuls (0.37x the post's fp32 time on
+    # a 2-core CPU with AVX512-BF16, against 0.75x in fp32: tools/bench_ppo.py); fp32 elsewhere.
+    "blog": dict(iterations=100, batch=16, prompt_tokens=256, micro_batch=4, eval_prompts=64,
+                 precision="auto"),
+    # Same algorithm on a 2-core CPU in <= 20 minutes: shorter prompts, fewer iterations,
+    # micro-batches of 4 to keep memory down.
+    # At the post's LR of 1e-4, 36 iterations left the policy where it started (held-out KL
+    # to the reference -0.04 nats, clipfrac 0): a 5x larger step makes up for running about
+    # a third of the post's 100 iterations on half its batch.
+    # 64 held-out posts: at 32, a gain of +0.32 (paired SD over posts ~1.3) was 1.4 SE; at
+    # 64 the same gain would be 2 SE.
+    "cpu": dict(iterations=36, batch=8, prompt_tokens=128, micro_batch=4, eval_prompts=64,
+                lr=5e-4, value_lr=5e-4, checkpoint_every=6),   # 21-45 s an iteration, 2 cores
+    # Seconds, for tests: the tiny random model (loaders.tiny_model) and a tiny reward model.
+    "tiny": dict(iterations=3, batch=4, prompt_tokens=64, max_new_tokens=8, micro_batch=2,
+                 eval_prompts=4, checkpoint_every=2),
+}
+# Flags with a fixed set of values, and every numeric flag's range (support/cli.py): both
+# are checked right after parsing, before anything loads; a bad value exits with one line.
+CHOICES = {"preset": ("auto", "blog", "cpu", "tiny"), "reward": rm.PARTS,
+           "kl_estimator": ("k1", "k3"), "precision": ("fp32", "bf16", "auto"),
+           "estimator": ESTIMATORS, "value_init": ("post", "zero", "reward")}
+RANGES = {
+    "beta": cli.NON_NEGATIVE, "seeds": cli.NON_NEGATIVE, "iterations": cli.COUNT,
+    "batch": cli.COUNT, "prompt_tokens": cli.Range(loaders.PROMPT_TEMPLATE_TOKENS),
+    "max_new_tokens": cli.COUNT, "temperature": cli.POSITIVE, "top_k": cli.NON_NEGATIVE,
+    "top_p": cli.Range(0, 1, low_open=True), "inner_steps": cli.COUNT,
+    "lr": cli.POSITIVE, "value_lr": cli.POSITIVE,
+    # clip = 0 caps every ratio at 1 in (9): the policy can never move past pi_old, so no
+    # update would be made. Refused rather than run.
+    "clip": cli.Range(0, 1, low_open=True, high_open=True),
+    "gamma": cli.UNIT, "lam": cli.UNIT, "vf_coef": cli.NON_NEGATIVE,
+    "ent_coef": cli.NON_NEGATIVE, "ptx_coef": cli.NON_NEGATIVE, "target_kl": cli.POSITIVE,
+    "missing_eos_penalty": cli.FINITE, "micro_batch": cli.COUNT,
+    "eval_prompts": cli.Range(1, loaders.EVAL_RESERVE), "checkpoint_every": cli.COUNT,
+    "samples_per_prompt": cli.COUNT, "reinforce_decay": cli.UNIT, "value_clip": cli.POSITIVE,
+}
+
+def parse_args(argv=None):
+    """Config from the command line: defaults, then the preset, then explicit flags. Then
+    every value is checked (CHOICES, RANGES, --out, --data-dir, --model): a bad one exits
+    with status 2 and one line, before anything loads."""
+    cfg, parser = read_config(Config, PRESETS, RANGES, CHOICES, argv, __doc__.splitlines()[0])
+    for beta, seed in runs(cfg):
+        if problem := cli.out_problem(run_dir_for(cfg, beta, seed)):
+            parser.error(problem)
+    if cfg.precision == "auto":
+        cfg.precision = "bf16" if loaders.native_bf16(loaders.pick_device()) else "fp32"
+    if cfg.precision == "bf16" and loaders.pick_device().type == "mps":
+        parser.error("argument --precision: bf16 runs on CUDA and on CPUs here; on Apple MPS "
+                     "use fp32 (bf16 autocast there is untested)")
+    if cfg.estimator in ("rloo", "grpo") and cfg.samples_per_prompt < 2:
+        parser.error(f"argument --samples-per-prompt: --estimator {cfg.estimator} needs at "
+                     f"least 2 samples per prompt, got {cfg.samples_per_prompt}")
+    gae_only = [flag for flag, on in (("--value-clip", cfg.value_clip is not None),
+                                      ("--value-init", cfg.value_init != "post"),
+                                      ("--whiten-rewards", cfg.whiten_rewards)) if on]
+    if cfg.estimator != "gae" and gae_only:
+        parser.error(f"argument {gae_only[0]}: applies to --estimator gae only (there is no "
+                     f"value head with --estimator {cfg.estimator})")
+    responses = cfg.batch * cfg.samples_per_prompt
+    if responses % cfg.micro_batch:
+        cfg.micro_batch = math.gcd(responses, cfg.micro_batch)
+    return cfg
+
+
 # What --resume may change; any other setting that differs from the checkpoint's is an error
 # (unless --force): a run continued with another beta or seed is no run at all.
 RESUME_MAY_CHANGE = ("iterations", "checkpoint_every", "eval_prompts", "micro_batch", "out",

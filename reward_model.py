@@ -86,33 +86,27 @@ import functools
 import inspect
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# Before torch loads OpenMP: on a shared CPU, threads that spin while they wait for each
-# other lose ~10x (measured here: 40-70 s per step against 11 s, with two other busy
-# processes); threads that sleep cost nothing measurable on an idle machine.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from support import parallel    # first: it sets what torch and tqdm read as they load
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm import tqdm
+from transformers import DynamicCache
 
-from support import parallel  # noqa: E402  (before tqdm: it turns bars off on ranks but 0)
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-from torch import nn  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
-
-import loaders  # noqa: E402
-import lora  # noqa: E402
-from gae import ended_with_eos, last_token_index  # noqa: E402
-from support import cli, rm_data, rm_report  # noqa: E402
-from support.config import option, read_config  # noqa: E402
-from support.disk import check_room, holding, write_aside  # noqa: E402
-from support.rm_data import encode, pad  # noqa: E402
-from support.rm_report import (human_minus_reference_sd, pair_metrics,  # noqa: E402
+import loaders
+import lora
+from gae import ended_with_eos, last_token_index
+from support import cli, rm_data, rm_report
+from support.config import option, read_config
+from support.disk import check_room, holding, write_aside
+from support.rm_data import encode, pad
+from support.rm_report import (human_minus_reference_sd, pair_metrics,
                                pairwise_accuracy)
 
 

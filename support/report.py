@@ -194,9 +194,10 @@ def load_baseline(path, key):
 
 
 def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controller_beta,
-                    reinforce_baseline=None):
-    """Adapter, value head (if any), optimizer moments, RNG state and the REINFORCE baseline,
-    as safetensors + JSON. Under torchrun every rank calls it and rank 0 writes, with every
+                    one_action=None):
+    """Adapter, value head (if any), optimizer moments, RNG state and, with --estimator
+    reinforce, `one_action`'s moving-average baseline (ppo.OneActionAdvantages), as
+    safetensors + JSON. Under torchrun every rank calls it and rank 0 writes, with every
     rank's RNG state ("rng.torch" for rank 0, "rng.torch.1" for rank 1, ...)."""
     rng = parallel.rng_states()                 # a collective: before rank 0 goes its way
     if not parallel.is_main():
@@ -217,7 +218,8 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
             save_file(value_head.state_dict(), str(staging / "value_head.safetensors"))
         save_file(tensors, str(staging / "optimizer_rng.safetensors"))
         write_json(staging / "state.json", {"iteration": iteration, "beta": controller_beta,
-                                            "reinforce_baseline": reinforce_baseline,
+                                            "reinforce_baseline": getattr(
+                                                one_action, "baseline", None),
                                             "optimizer_scalars": scalars})
     with cli.writing(Path(run_dir) / "checkpoint"):
         write_aside(Path(run_dir) / "checkpoint", make)
@@ -269,14 +271,16 @@ def peak_memory_gb(device):
 
 # ------------------------------------------------------------------ tables and plots
 
-def iteration_row(iteration, scores, rewards, kl, values, ret, mask, actions, eos, logs,
+def iteration_row(iteration, *, rewards, per_token, kl, values, ret, mask, actions, eos, logs,
                   ratio_min, ratio_max, beta):
     """One row of results.json: what the post and the concept lesson say to watch, from the
-    whole batch's tensors (every rank's, under torchrun): scores (B,); rewards, kl, values,
-    ret, mask and actions (B, T), ret None without a value head; the inner steps' logs."""
+    whole batch's tensors (every rank's, under torchrun): rewards (B,) the reward model's
+    scores; per_token (the shaped r_t), kl, values, ret, mask and actions (B, T), ret None
+    without a value head; the inner steps' logs; the ratio's range at the first inner step;
+    beta now."""
     m = mask.bool()
     per_seq_kl = torch.where(m, kl, 0.0).sum(-1)                 # (B,) summed over tokens
-    non_score = torch.where(m, rewards, 0.0).sum(-1) - scores    # (B,) the -beta KL part
+    non_score = torch.where(m, per_token, 0.0).sum(-1) - rewards  # (B,) the -beta KL part
     explained = None                                             # no value head
     if ret is not None:
         residual = (ret - values)[m]                             # (N,) real tokens
@@ -286,7 +290,7 @@ def iteration_row(iteration, scores, rewards, kl, values, ret, mask, actions, eo
     def avg(key):                                               # over the inner steps
         return sum(log[key] for log in logs) / len(logs)
 
-    return {"iteration": iteration, "responses": len(scores), "reward": scores.mean().item(),
+    return {"iteration": iteration, "responses": len(rewards), "reward": rewards.mean().item(),
             "non_score_reward": non_score.mean().item(), "kl": per_seq_kl.mean().item(),
             "response_length": m.sum(-1).float().mean().item(),
             "eos_fraction": ended_with_eos(actions, m, eos).float().mean().item(),
@@ -545,23 +549,26 @@ def plot_sweep(table, baseline, path):
 
 # ------------------------------------------------------------- one run's bookkeeping
 
-def start_results(run_dir, resume, config, policy, value_head, optimizer, beta):
-    """results.json's start for a run: (first iteration, beta, REINFORCE baseline, results).
-    With --resume and a checkpoint in `run_dir`, the checkpoint's state is loaded into the
-    policy, the value head and the optimizer (the RNG too) and its iterations are kept;
-    otherwise a checkpoint left there (--force) is removed. `commits`: the code of every
-    process that wrote iterations here (a resumed run has two)."""
+def start_results(run_dir, resume, config, policy, value_head, optimizer, beta,
+                  one_action=None):
+    """results.json's start for a run: (first iteration, beta, results). With --resume and
+    a checkpoint in `run_dir`, the checkpoint's state is loaded into the policy, the value
+    head, the optimizer, the RNG and `one_action` (ppo.OneActionAdvantages: its baseline),
+    and its iterations are kept; otherwise a checkpoint left there (--force) is removed.
+    `commits`: the code of every process that wrote iterations here (a resumed run has two)."""
     results = {"config": config, "commits": [git_commit()], "iterations": [], "final": None}
     if not (resume and has_checkpoint(run_dir)):
         shutil.rmtree(Path(run_dir) / "checkpoint", ignore_errors=True)
-        return 0, beta, None, results
+        return 0, beta, results
     start, beta, baseline = load_checkpoint(run_dir, policy, value_head, optimizer)
+    if one_action is not None:
+        one_action.baseline = baseline
     with cli.reading(Path(run_dir) / "results.json", "the results of the run to resume"):
         old = json.loads((Path(run_dir) / "results.json").read_text())
     results["iterations"] = old["iterations"][:start]
     results["commits"] = old.get("commits", []) + results["commits"]
     print(f"resumed {run_dir} at iteration {start}")
-    return start, beta, baseline, results
+    return start, beta, results
 
 
 class Laps:

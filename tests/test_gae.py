@@ -281,7 +281,7 @@ def test_rloo_with_two_samples_is_the_notes_contrastive_form():
     assert objective.item() == pytest.approx(0.5 * 3.0 * (seq_logp[0] - seq_logp[1]).item())
     expected = torch.autograd.grad(-objective, logp)[0]                # (2, T)
     loss, _ = kernels.masked_clipped_loss(logp.float(), logp.detach().float(),
-                                          gae.per_token(adv, mask).float(), mask.float(), 0.2)
+                                          gae.spread_over_tokens(adv, mask).float(), mask.float(), 0.2)
     got = torch.autograd.grad(loss, logp)[0]                           # ratio exactly 1
     assert torch.allclose(got.double(), expected, atol=1e-6)
 
@@ -373,12 +373,12 @@ def test_reinforce_baseline_follows_its_moving_average():
     assert b == pytest.approx(0.9 * 1.8 + 0.1 * 5.0)
 
 
-def test_sequence_rewards_and_per_token():
+def test_sequence_rewards_and_spread_over_tokens():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     kl = torch.tensor([[0.5, 1.5, 99.0], [0.1, 0.2, 0.3]])              # 99 on padding: ignored
     R = gae.sequence_rewards(torch.tensor([1.0, 2.0]), kl, mask, beta=0.1)
     assert R.tolist() == pytest.approx([1.0 - 0.2, 2.0 - 0.06])
-    spread = gae.per_token(torch.tensor([2.0, -3.0]), mask)
+    spread = gae.spread_over_tokens(torch.tensor([2.0, -3.0]), mask)
     assert spread.tolist() == [[2.0, 2.0, 0.0], [-3.0, -3.0, -3.0]]
-    by_length = gae.per_token(torch.tensor([2.0, -3.0]), mask, length_normalise=True)
+    by_length = gae.spread_over_tokens(torch.tensor([2.0, -3.0]), mask, length_normalise=True)
     assert by_length.tolist() == [[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]
