@@ -419,7 +419,8 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
     one_action = OneActionAdvantages(cfg) if cfg.estimator != "gae" else None  # departure 9
     # ---- plumbing: results.json (rewritten each iteration), or a resumed run's checkpoint
     start, beta, results = start_results(run_dir, cfg.resume, run_config(cfg, beta, seed),
-                                         policy, value_head, optimizer, beta, one_action)
+                                         policy, value_head, optimizer, beta=beta,
+                                         one_action=one_action)
     controller = AdaptiveKLController(beta, cfg.target_kl) if cfg.target_kl else None
     bar = tqdm(range(start, cfg.iterations), desc=f"beta={beta:g} seed={seed}",
                disable=not progress, initial=start, total=cfg.iterations)
@@ -438,8 +439,9 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         lap("generate")
         # ---- 2. score the finished summaries (ids, not text)
         with loaders.precision(cfg, device):
-            rewards = score(reward, prompt_ids, prompt_mask, actions, mask,
-                            cfg.missing_eos_penalty, eos, groups, cfg.reward)   # (B,)
+            rewards = score(reward, prompt_ids, prompt_mask, actions, mask, groups=groups,
+                            missing_eos_penalty=cfg.missing_eos_penalty, eos_id=eos,
+                            part=cfg.reward)                                    # (B,)
         check_finite(iteration, score=rewards)
         lap("score")
         # ---- 3. old log-probs and values (training path), reference log-probs
@@ -466,8 +468,9 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
             check_finite(iteration, reward=per_token, advantage=adv)
         lap("forward")
         # ---- 5. INNER_STEPS clipped updates on this batch
-        batch = Rollout(iteration, sequences, attention, actions, mask, logp_old, values, adv,
-                        ret, groups, posts)
+        batch = Rollout(iteration=iteration, sequences=sequences, attention=attention,
+                        actions=actions, mask=mask, logp_old=logp_old, values=values, adv=adv,
+                        ret=ret, groups=groups, posts=posts)
         logs = []
         for step in range(cfg.inner_steps):
             optimizer.zero_grad(set_to_none=True)
@@ -490,7 +493,8 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         record_iteration(results, row, lap, run_dir, device, bar)
         if (iteration + 1) % cfg.checkpoint_every == 0 or iteration + 1 == cfg.iterations:
             save_checkpoint(run_dir, iteration, policy, value_head, optimizer,
-                            controller.beta if controller else beta, one_action)
+                            controller_beta=controller.beta if controller else beta,
+                            one_action=one_action)
     return policy, value_head, results
 
 
@@ -556,7 +560,7 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
             sequences, actions = generate(model, prompt_ids, prompt_mask, cfg, eos)
             mask = response_mask(actions, eos)
             attention = full_mask(prompt_mask, actions)
-            rewards = score(reward, prompt_ids, prompt_mask, actions, mask, None, eos,
+            rewards = score(reward, prompt_ids, prompt_mask, actions, mask, eos_id=eos,
                             part=cfg.reward)                                         # (b,)
             flu = fluency(reference, sequences, attention, actions, mask,
                               cfg.temperature)                                       # (b,)

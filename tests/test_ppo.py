@@ -456,8 +456,8 @@ def test_a_nan_score_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_judge
         return scores.index_fill(0, torch.tensor([1]), float("nan")) if score.calls == 3 \
             else scores
 
-    def save_checkpoint(run_dir, *args):        # the files of the last checkpoint written
-        real_save(run_dir, *args)
+    def save_checkpoint(run_dir, *args, **kwargs):      # the last checkpoint's files
+        real_save(run_dir, *args, **kwargs)
         saved.clear()
         saved.update({p.name: p.read_bytes() for p in (run_dir / "checkpoint").iterdir()})
 
