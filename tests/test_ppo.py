@@ -435,9 +435,9 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
     assert (tmp_path / "beta0.5_seed1" / "results.json").exists()
 
 
-def test_a_nan_score_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_judge, tiny,
-                                                                      tokenizer, tmp_path,
-                                                                      monkeypatch):
+def test_a_nan_score_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_judge, data_dir,
+                                                                      tiny, tokenizer,
+                                                                      tmp_path, monkeypatch):
     """A NaN injected into one score of iteration 2: the run stops there with a message that
     names the quantity and the iteration; the checkpoint of iteration 1 is untouched and
     results.json holds iterations 0 and 1 only. (Without the guard the NaN reaches the
@@ -681,7 +681,7 @@ def tiny_pool(tokenizer, n=8, tokens=64):
     ["--estimator", "grpo", "--samples-per-prompt", "2"],
     ["--estimator", "grpo", "--samples-per-prompt", "2", "--grpo-unbiased"],
 ])
-def test_every_estimator_trains_with_the_ratio_exactly_one(argv, tiny_judge, tiny,
+def test_every_estimator_trains_with_the_ratio_exactly_one(argv, tiny_judge, data_dir, tiny,
                                                            tokenizer, tmp_path):
     """Two iterations on the tiny model: the ratio is exactly 1 at every first inner step
     (check_ratio would raise otherwise), the batch holds --batch x k responses, and only
@@ -708,7 +708,7 @@ def test_value_init_reward_copies_the_reward_models_head(tiny_judge):
         assert ppo.init_value_head(head, "zero", reward)(hidden).abs().max().item() == 0.0
 
 
-def test_rloo_and_reinforce_resume_to_the_same_numbers(tiny_judge, tiny, tokenizer,
+def test_rloo_and_reinforce_resume_to_the_same_numbers(tiny_judge, data_dir, tiny, tokenizer,
                                                        tmp_path):
     """RLOO with k = 2 and a REINFORCE run, each stopped after one iteration and resumed:
     the same numbers as straight through (the REINFORCE baseline is in the checkpoint)."""
@@ -730,7 +730,7 @@ def test_rloo_and_reinforce_resume_to_the_same_numbers(tiny_judge, tiny, tokeniz
         assert report.differences(a["iterations"], b["iterations"]) == []
 
 
-def test_each_sample_keeps_its_prompts_group(tiny_judge, tiny, tokenizer, tmp_path,
+def test_each_sample_keeps_its_prompts_group(tiny_judge, data_dir, tiny, tokenizer, tmp_path,
                                              monkeypatch):
     """k = 3: the rows that share a group id were sampled from the same prompt, and rows of
     different groups from different prompts, whatever order micro-batching runs them in."""
