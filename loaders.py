@@ -396,7 +396,10 @@ def _report(path, kept, skipped, what):
 
 
 def read_tldr_csv(path):
-    """OpenAI/vwxyzjn CSV: `query` is the prompt, `reference_responses` the human TL;DR."""
+    """OpenAI/vwxyzjn CSV: `query` is the prompt, `reference_responses` the human TL;DR, and
+    where the file has it, `postprocessed_response` the summary of OpenAI's released 1.3B
+    PPO policy (Stiennon et al. 2020), kept as "openai_1b": a yardstick for the held-out
+    evaluation, never trained on."""
     try:
         with open(path, newline="", encoding="utf-8") as handle:
             rows = list(csv.DictReader(handle))
@@ -410,7 +413,10 @@ def read_tldr_csv(path):
         if fields is None or not (row["reference_responses"] or "").strip():
             skipped += 1
             continue
-        posts.append(_post(fields, row["reference_responses"], path.stem, i))
+        post = _post(fields, row["reference_responses"], path.stem, i)
+        if (row.get("postprocessed_response") or "").strip():
+            post["openai_1b"] = row["postprocessed_response"].strip()
+        posts.append(post)
     _report(path, len(posts), skipped, "TL;DR posts")
     return posts
 

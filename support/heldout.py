@@ -6,7 +6,10 @@ generate, score, fluency) draws the samples and is passed in; nothing here impor
 Per sweep, once:
     reference_and_human   the floor and the ceiling: the untrained model's samples and the
                           human TL;DRs, scored by the reward model (kept in baseline.json,
-                          which a resumed sweep reads back)
+                          which a resumed sweep reads back); and where the data has them,
+                          the summaries of OpenAI's released 1.3B PPO policy (Stiennon et
+                          al. 2020), a real RLHF summariser ten times our policy's size
+                          trained on 64k+ human labels, as a yardstick (`written_row`)
 Per run:
     evaluate_run          the trained policy's rollouts against the reference, paired by
                           post: the final entry of results.json, curves.png, samples.html
@@ -21,7 +24,7 @@ import torch
 
 import loaders
 import reward_model as rm
-from support.measures import per_post, standard_error, summarize
+from support.measures import copied_bigrams, per_post, standard_error, summarize
 from support.quality import (asks_for_help, ends_with_question, paired_difference,
                              retrieval_ranks, rouge_l, samples_page)
 from support.disk import write_json, write_text
@@ -30,24 +33,26 @@ from support.report import (load_baseline, plot_curves, print_gain, print_row,
 
 # The settings that decide the reference's held-out samples and the human rows: a resumed
 # sweep reuses its stored ones only when these agree (and when they carry MEASURES).
-MEASURES = 2                    # 2: with outside_measures; baseline.json files before had none
+MEASURES = 3                    # 2: with outside_measures; 3: with the OpenAI 1.3B row
 OUTSIDE = ("rouge_l", "retrieval_rank", "relevance_gap", "question", "asks_help")  # per sample
 BASELINE_KEY = ("model", "reward_model", "reward", "data_dir", "preset", "prompt_tokens",
                 "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts", "batch",
                 "samples_per_prompt", "precision")
 
 
-def outside_measures(samples, held_out, reward, tokenizer, human=False):
+def outside_measures(samples, held_out, reward, tokenizer, written=False, human=False):
     """Adds to each sample (one per held-out post, in order) what the judge never saw:
     rouge_l against the post's human TL;DR (None for the TL;DRs themselves), retrieval_rank
     of its own post among the held-out posts by TF-IDF on the summary alone (1 = found),
     relevance_gap f(x_i, y_i) - f(x_{i+1}, y_i), the judge's content score under its own
     post minus under the next one (the length term is the same under both), and whether it
-    ends in "?" or asks for help. samples: [{text, ids (EOS included if it ended)}]."""
+    ends in "?" or asks for help. samples: [{text, ids (EOS included if it ended)}], or
+    with `written` [{text}], tokenized as the judge trained on them; `human`: they are the
+    human TL;DRs."""
     eos = tokenizer.eos_token_id
     cut = reward.settings["max_summary_tokens"]
     prompts = [tokenizer(p["prompt"]).input_ids for p in held_out]
-    ids = [tokenizer(" " + s["text"]).input_ids[:cut] + [eos] if human else
+    ids = [tokenizer(" " + s["text"]).input_ids[:cut] + [eos] if written else
            s["ids"] if s["eos"] else s["ids"] + [eos] for s in samples]     # read at an EOS
     # Both sides scored here, the same way (content, these batches), though rollouts scored
     # home already: a gap of two differently computed numbers would carry their noise.
@@ -95,25 +100,49 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
     torch.manual_seed(10_000)
     ref_samples = rollouts(reference, reference, reward, tokenizer, held_out, cfg, device)
     with loaders.precision(cfg, device):
-        human = rm.score_texts(reward, tokenizer, [p["prompt"] for p in held_out],
-                               [p["summary"] for p in held_out], part=cfg.reward).float()
         outside_measures(ref_samples, held_out, reward, tokenizer)
-        human = outside_measures([{"reward": r, "text": p["summary"]}
-                                  for r, p in zip(human.tolist(), held_out)],
-                                 held_out, reward, tokenizer, human=True)
+        human_row, human = written_row([p["summary"] for p in held_out], held_out, reward,
+                                       tokenizer, cfg, human=True)
     baseline = {"ref": {**summarize(ref_samples), **outside_summary(ref_samples)},
-                "human": {"reward": sum(h["reward"] for h in human) / len(human),
-                          "reward_se": standard_error([h["reward"] for h in human]),
-                          **outside_summary(human)}}
+                "human": human_row}
     # Per post, once per results.json (the policy's rows also carry ref_reward).
     baseline_posts = {"ref_samples": per_post(ref_samples, ("length", "eos", "copied_bigrams",
                                                             "text", *OUTSIDE)),
                       "human_samples": per_post(human, ("text", *OUTSIDE[1:]))}
+    if all("openai_1b" in p for p in held_out):         # the data's 1.3B PPO summaries
+        with loaders.precision(cfg, device):
+            baseline["openai_1b"], openai = written_row([p["openai_1b"] for p in held_out],
+                                                        held_out, reward, tokenizer, cfg)
+        baseline_posts["openai_1b_samples"] = per_post(openai, ("length", "copied_bigrams",
+                                                                "text", *OUTSIDE))
     print(f"reference: reward {baseline['ref']['reward']:.2f} ± {baseline['ref']['reward_se']:.2f}"
           f", fluency {baseline['ref']['fluency']:.1f}; human TL;DRs: reward "
           f"{baseline['human']['reward']:.2f} ± {baseline['human']['reward_se']:.2f}")
     return {"key": key, "baseline": baseline, "baseline_posts": baseline_posts,
             "ref_samples": ref_samples}
+
+
+def written_row(texts, held_out, reward, tokenizer, cfg, human=False):
+    """A row of written summaries of the held-out posts (people's TL;DRs, or the data's
+    OpenAI 1.3B PPO ones): the judge's score of each (--reward; tokenized as in its
+    training), the measures it never saw, and for the 1.3B row its length in tokens and the
+    share of its bigrams copied from the post. Returns (the row's means, the samples)."""
+    rewards = rm.score_texts(reward, tokenizer, [p["prompt"] for p in held_out], texts,
+                             part=cfg.reward).float()                         # (n,)
+    samples = outside_measures([{"reward": r, "text": t} for r, t in zip(rewards.tolist(),
+                                                                         texts)],
+                               held_out, reward, tokenizer, written=True, human=human)
+    row = {"reward": sum(s["reward"] for s in samples) / len(samples),
+           "reward_se": standard_error([s["reward"] for s in samples]),
+           **outside_summary(samples)}
+    if not human:                                       # the human row stays as it was
+        for s, post in zip(samples, held_out):
+            ids = tokenizer(" " + s["text"]).input_ids                        # no EOS
+            s.update(length=len(ids), copied_bigrams=copied_bigrams(
+                ids, tokenizer(post["prompt"]).input_ids))
+        row.update(length=sum(s["length"] for s in samples) / len(samples),
+                   copied_bigrams=sum(s["copied_bigrams"] for s in samples) / len(samples))
+    return row, samples
 
 
 def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir, rollouts):
@@ -132,6 +161,7 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
     final = {**summarize(samples), "gain_over_ref": gain, "gain_over_ref_se": gain_se,
              **outside_summary(samples, ref_samples),
              "ref": baseline["ref"], "human": baseline["human"],
+             **({"openai_1b": baseline["openai_1b"]} if "openai_1b" in baseline else {}),
              "value_loss_last20": sum(r["value_loss"] for r in last20) / len(last20),
              "samples": per_post(samples, ("length", "eos", "copied_bigrams", "kl", "text",
                                            *OUTSIDE), ref_samples),
@@ -144,6 +174,10 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
     print_row(f"{beta:g}", final)
     print_row("(ref)", baseline["ref"])
     print_row("human", baseline["human"])
+    if "openai_1b" in baseline:                         # a 10x larger RLHF summariser
+        print_row("OpenAI", baseline["openai_1b"])
+        print("OpenAI: the data's summaries by OpenAI's 1.3B PPO policy (Stiennon et al. "
+              "2020), 10x our policy's size, trained on 64k+ human labels")
     print_gain(final)
     print_samples(samples, held_out, f"beta={beta:g} seed={seed}: held-out samples")
     if beta == 0:
@@ -154,12 +188,17 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
 
 
 def write_samples_page(final, held_out, title, path):
-    """samples.html: per held-out post, the post, the human TL;DR, SmolLM2's sample and the
-    policy's, with their rewards, lengths, ROUGE-L and retrieval ranks (quality.py)."""
+    """samples.html: per held-out post, the post, the human TL;DR, SmolLM2's sample, the
+    policy's and, where the data has it, OpenAI's 1.3B PPO policy's, with their rewards,
+    lengths, ROUGE-L and retrieval ranks (quality.py)."""
     rows = []
-    for post, mine, ref, human in zip(held_out, final["samples"], final["ref_samples"],
-                                      final["human_samples"]):
-        rows.append({"post": post["prompt"], "human": human["text"], "reference": ref["text"],
+    openai = final.get("openai_1b_samples") or [{}] * len(held_out)
+    for post, mine, ref, human, big in zip(held_out, final["samples"], final["ref_samples"],
+                                           final["human_samples"], openai):
+        rows.append({"openai_1b": big.get("text"), "openai_1b_reward": big.get("reward"),
+                     "openai_1b_rouge_l": big.get("rouge_l"),
+                     "openai_1b_rank": big.get("retrieval_rank"),
+                     "post": post["prompt"], "human": human["text"], "reference": ref["text"],
                      "policy": mine["text"], "policy_reward": mine["reward"],
                      "reference_reward": ref["reward"], "human_reward": human["reward"],
                      "policy_length": mine["length"], "reference_length": ref["length"],

@@ -227,12 +227,15 @@ DASH = "\u2014"
 NUMBERS = (("policy_reward", "policy reward", "{:+.2f}"),
            ("reference_reward", "reference reward", "{:+.2f}"),
            ("human_reward", "human reward", "{:+.2f}"),
+           ("openai_1b_reward", "OpenAI 1.3B reward", "{:+.2f}"),
            ("policy_length", "policy length", "{:g}"),
            ("reference_length", "reference length", "{:g}"),
            ("policy_rouge_l", "policy ROUGE-L", "{:.2f}"),
            ("reference_rouge_l", "reference ROUGE-L", "{:.2f}"),
+           ("openai_1b_rouge_l", "OpenAI 1.3B ROUGE-L", "{:.2f}"),
            ("policy_rank", "policy rank", "{:g}"),
-           ("reference_rank", "reference rank", "{:g}"))
+           ("reference_rank", "reference rank", "{:g}"),
+           ("openai_1b_rank", "OpenAI 1.3B rank", "{:g}"))
 
 STYLE = """body { font-family: system-ui, sans-serif; margin: 1em; }
 table { border-collapse: collapse; }
@@ -264,18 +267,18 @@ def _number(row, key):
     return None if x is None or math.isnan(x) else float(x)
 
 
-def _row_html(i, row):
-    """One <tr>: the row's index, the post in a <details>, three summaries, the numbers."""
+def _row_html(i, row, texts, numbers):
+    """One <tr>: the row's index, the post in a <details>, the summaries, the numbers."""
     post = row.get("post") or ""
     head = " ".join(post.split())
     head = head if len(head) <= 100 else head[:100] + "\u2026"
     cells = [f'<td class="num" data-v="{i}">{i}</td>',
              f'<td class="text"><details><summary>{html.escape(head)}</summary>'
              f"{html.escape(post)}</details></td>"]
-    for key in ("human", "reference", "policy"):
+    for key in texts:
         text = row.get(key)
         cells.append(f'<td class="text">{DASH if text is None else html.escape(text)}</td>')
-    for key, _, fmt in NUMBERS:
+    for key, _, fmt in numbers:
         x = _number(row, key)
         shown = DASH if x is None else html.escape(fmt.format(x))
         cells.append(f'<td class="num" data-v="{"" if x is None else repr(x)}">{shown}</td>')
@@ -285,7 +288,8 @@ def _row_html(i, row):
 def samples_page(rows, title):
     """A complete static HTML page (str) of held-out samples, one table row per post.
 
-    rows: list of dicts with texts "post", "human", "reference", "policy" and the numbers of
+    rows: list of dicts with texts "post", "human", "reference", "policy", optionally
+    "openai_1b" (its column and numbers only where some row has it), and the numbers of
     NUMBERS (each may be missing or None: shown as an em dash). "#" is the row's index in
     `rows`. Rows are ordered by policy_reward, highest first, rows without one last; a
     click on a column header re-sorts (plain inline JavaScript, optional). Every text is
@@ -295,7 +299,13 @@ def samples_page(rows, title):
         x = _number(rows[i], "policy_reward")
         return (x is None, -x if x is not None else 0.0)
     order = sorted(range(len(rows)), key=by_reward)
-    headers = ["#", "post", "human TL;DR", "reference", "policy"] + [h for _, h, _ in NUMBERS]
+    texts = {"human": "human TL;DR", "reference": "reference", "policy": "policy"}
+    numbers = NUMBERS
+    if any(row.get("openai_1b") for row in rows):        # the data's 1.3B PPO summaries
+        texts["openai_1b"] = "OpenAI 1.3B PPO"
+    else:
+        numbers = [n for n in NUMBERS if not n[0].startswith("openai_1b")]
+    headers = ["#", "post", *texts.values()] + [h for _, h, _ in numbers]
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
         f"<title>{html.escape(title)}</title>", f"<style>\n{STYLE}\n</style>", "</head>",
@@ -304,5 +314,5 @@ def samples_page(rows, title):
         "(highest first). Click a column header to sort by it; click a post to open it.</p>",
         "<table>",
         "<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr></thead>",
-        "<tbody>", *(_row_html(i, rows[i]) for i in order), "</tbody>",
+        "<tbody>", *(_row_html(i, rows[i], texts, numbers) for i in order), "</tbody>",
         "</table>", f"<script>\n{SORT_JS}\n</script>", "</body>", "</html>", ""])

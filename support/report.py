@@ -402,6 +402,11 @@ def sweep_markdown(summary, baseline, failed):
                  f"| {ref['eos_fraction']:.2f} | {ref['copied_bigrams']:.2f} | |")
     lines.append(f"| human | | {human['reward']:.2f} ± {human['reward_se']:.2f} (over posts) "
                  "|" + " |" * 9)
+    if "openai_1b" in baseline:                 # the data's 1.3B PPO summaries, a yardstick
+        big = baseline["openai_1b"]
+        lines.append(f"| OpenAI 1.3B PPO | | {big['reward']:.2f} ± {big['reward_se']:.2f} "
+                     f"(over posts) |" + " |" * 4 + f" {big['length']:.1f} | |" + " |"
+                     + f" {big['copied_bigrams']:.2f} | |")
     lines += [f"| {r['beta']:g} | seed {r['seed']} failed: {r['failed']} |" + " |" * 10
               for r in failed]
     if summary["best_beta"] is None:
@@ -437,7 +442,8 @@ def outside_markdown(table, baseline):
                      f"| {mean('retrieval_top1'):.2f} | {mean('retrieval_mrr'):.3f} "
                      f"| {gain(runs, 'retrieval_mrr')} | {mean('relevance_gap'):+.2f} "
                      f"| {mean('question_fraction'):.2f} | {mean('asks_for_help'):.2f} |")
-    for name, row in (("(ref)", baseline["ref"]), ("human", baseline["human"])):
+    for name, row in (("(ref)", baseline["ref"]), ("human", baseline["human"]),
+                      ("OpenAI 1.3B PPO", baseline.get("openai_1b", {}))):
         if "retrieval_mrr" in row:
             rouge = f"{row['rouge_l']:.3f}" if "rouge_l" in row else "1"
             lines.append(f"| {name} | | {rouge} | | {row['retrieval_top1']:.2f} "

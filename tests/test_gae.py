@@ -281,7 +281,8 @@ def test_rloo_with_two_samples_is_the_notes_contrastive_form():
     assert objective.item() == pytest.approx(0.5 * 3.0 * (seq_logp[0] - seq_logp[1]).item())
     expected = torch.autograd.grad(-objective, logp)[0]                # (2, T)
     loss, _ = kernels.masked_clipped_loss(logp.float(), logp.detach().float(),
-                                          gae.spread_over_tokens(adv, mask).float(), mask.float(), 0.2)
+                                          gae.spread_over_tokens(adv, mask).float(),
+                                          mask.float(), 0.2)
     got = torch.autograd.grad(loss, logp)[0]                           # ratio exactly 1
     assert torch.allclose(got.double(), expected, atol=1e-6)
 

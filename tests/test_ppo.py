@@ -13,6 +13,7 @@
 """
 
 import copy
+import csv
 import json
 import math
 import subprocess
@@ -395,6 +396,14 @@ def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
     assert final["gain_over_ref"] == pytest.approx(
         final["reward"] - final["ref"]["reward"], abs=1e-6)           # paired mean = difference
     assert len(final["human_samples"]) == 4
+    # the data's OpenAI 1.3B PPO summaries: a row scored by the judge, with the measures it
+    # never saw, its length and copying, and a column of samples.html
+    assert {"reward", "reward_se", "rouge_l", "retrieval_mrr", "length",
+            "copied_bigrams"} <= set(final["openai_1b"])
+    assert [s["post"] for s in final["openai_1b_samples"]] == [0, 1, 2, 3]
+    assert final["openai_1b"]["reward"] == pytest.approx(
+        sum(s["reward"] for s in final["openai_1b_samples"]) / 4)
+    assert "OpenAI 1.3B PPO" in page and "OpenAI" in out
     keys = {"iteration", "reward", "kl", "response_length", "entropy", "clipfrac", "approx_kl",
             "value_loss", "ratio_min", "ratio_max", "beta", "seconds", "threads"}
     assert len(straight["iterations"]) == 4
@@ -421,6 +430,8 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
     assert "| (ref) |" in out and "| human |" in out and "Spearman's rho" in out
     assert "By measures the judge never saw" in out and "| MRR gain over (ref) |" in out
     assert (tmp_path / "sweep.md").read_text().strip() in out
+    big = [line for line in out.splitlines() if line.startswith("| OpenAI 1.3B PPO |")]
+    assert len(big) == 2 and [line.count("|") for line in big] == [13, 11]    # both tables
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert sweep["commits"] == [report.git_commit()]          # the code that made the table
     assert f"Code: {report.git_commit()} (git commits" in out
@@ -530,6 +541,7 @@ def test_a_failed_run_is_a_row_of_the_sweep(tiny_judge, small_data, tmp_path,
     assert "| 0.5 | seed 0 failed: iteration 0: the score is NaN" in out
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert [(r["beta"], "failed" in r) for r in sweep["runs"]] == [(0.0, False), (0.5, True)]
+    assert "openai_1b" not in sweep["baseline"]     # small_data's CSV has no 1.3B summaries
     ppo.main(argv + ["--resume"])
     assert "beta0.5_seed0: finished before, skipped" in capsys.readouterr().out
 
@@ -886,6 +898,19 @@ def test_same_numbers_finds_a_moved_number_and_lists_added_keys(tmp_path, capsys
         (tmp_path / "after" / "results.json").write_text(json.dumps(broken))
         assert same_numbers.main([before, after]) == 1
     assert "DIFFERS: results.json.final.samples[0].text: 'hi' != 'ho'" in capsys.readouterr().out
+
+
+def test_the_csv_keeps_openais_summaries_where_it_has_them(tmp_path):
+    query = "SUBREDDIT: r/a\n\nTITLE: b\n\nPOST: c d e\n\nTL;DR:"
+    for header, row, expected in (
+            (["", "query", "postprocessed_response", "reference_responses"],
+             ["0", query, "  theirs ", " ours"], {"summary": "ours", "openai_1b": "theirs"}),
+            (["", "query", "reference_responses"], ["0", query, " ours"], {"summary": "ours"})):
+        path = tmp_path / "posts.csv"
+        with open(path, "w", newline="") as sink:
+            csv.writer(sink).writerows([header, row])
+        post = loaders.read_tldr_csv(path)[0]
+        assert {k: post[k] for k in ("summary", "openai_1b") if k in post} == expected
 
 
 def test_floors_count_smollm2s_weights_and_each_phases_work():

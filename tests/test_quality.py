@@ -255,3 +255,19 @@ def test_samples_page_post_collapsed_with_a_short_summary():
     assert f"<details><summary>{head}</summary>" in page
     assert "<details><summary>short</summary>short</details>" in page
     walk(samples_page([], "empty"))                              # no rows: still a valid page
+
+
+def test_samples_page_shows_the_openai_column_only_where_the_data_has_it():
+    """The data's OpenAI 1.3B PPO summaries get a text column and three numbers; a page of
+    rows without them has neither (another dataset: absent, not an error)."""
+    with_big = [{**ROWS[0], "openai_1b": "a real summariser's TL;DR", "openai_1b_reward": 0.75,
+                 "openai_1b_rouge_l": 0.5, "openai_1b_rank": 1}, *ROWS[1:]]
+    page = samples_page(with_big, "t")
+    assert "OpenAI 1.3B PPO" in page and "a real summariser&#x27;s TL;DR" in page
+    rows = walk(page).rows
+    low = next(r for r in rows if r[0] == "0")
+    assert low[4:6] == ["low", "a real summariser's TL;DR"]
+    assert low[6:] == ["-1.00", "+0.25", "+1.50", "+0.75", "12", "20", "0.33", "0.10", "0.50",
+                       "2", "7", "1"]
+    assert next(r for r in rows if r[0] == "3")[5] == "\u2014"       # this post has none
+    assert "OpenAI" not in samples_page(ROWS, "t")
