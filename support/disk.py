@@ -19,9 +19,9 @@ A run folder is the --out of `ppo.py` (a run, or a sweep and each run in it) and
        failure into a `WriteError`: one line naming the file and the free space, exit 1.
 
 Locks on shared filesystems: `flock` is local to one machine on most Linux filesystems
-(ext4, xfs, tmpfs, overlay: tested here). On NFS, Linux clients turn it into an NFS lock
-that holds across machines (NFSv4, or v3 with lockd), but not on a mount with `nolock` or
-`local_lock=all`, where it only guards one client; a client that dies holds its locks until
+(tested here on ext4 and tmpfs; xfs and btrfs are local the same way). On NFS, Linux
+clients turn it into an NFS lock that holds across machines (NFSv4, or v3 with lockd), but
+not on a mount with `nolock` or `local_lock=all`, where it only guards one client; a client that dies holds its locks until
 the server's lease ends (90 s by default on NFSv4). Lustre needs `-o flock`. Where the
 filesystem refuses locks, the run goes on with one warning line, unguarded.
 
