@@ -21,8 +21,8 @@ A run folder is the --out of `ppo.py` (a run, or a sweep and each run in it) and
 Locks on shared filesystems: `flock` is local to one machine on most Linux filesystems
 (tested here on ext4 and tmpfs; xfs and btrfs are local the same way). On NFS, Linux
 clients turn it into an NFS lock that holds across machines (NFSv4, or v3 with lockd), but
-not on a mount with `nolock` or `local_lock=all`, where it only guards one client; a client
-that dies holds its locks until the server's lease ends (90 s by default on NFSv4). Lustre
+not on a mount with `nolock` or `local_lock=flock` (or `all`), where it only guards one
+client; a client that dies holds its locks until the server's lease ends (90 s by default on NFSv4). Lustre
 needs `-o flock`. Where the filesystem refuses locks, the run goes on with one warning
 line, unguarded. NFS and Lustre were not tested here.
 
