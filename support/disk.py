@@ -22,9 +22,9 @@ Locks on shared filesystems: `flock` is local to one machine on most Linux files
 (tested here on ext4 and tmpfs; xfs and btrfs are local the same way). On NFS, Linux
 clients turn it into an NFS lock that holds across machines (NFSv4, or v3 with lockd), but
 not on a mount with `nolock` or `local_lock=flock` (or `all`), where it only guards one
-client; a client that dies holds its locks until the server's lease ends (90 s by default on NFSv4). Lustre
-needs `-o flock`. Where the filesystem refuses locks, the run goes on with one warning
-line, unguarded. NFS and Lustre were not tested here.
+client; a client that dies holds its locks until the server's lease ends (90 s by default
+on NFSv4). Lustre needs `-o flock`. Where the filesystem refuses locks, the run goes on
+with one warning line, unguarded. NFS and Lustre were not tested here.
 
 Used by: ppo.py, reward_model.py, support/report.py, support/heldout.py, loaders.py, tools.
 Tests: tests/test_disk.py.
