@@ -415,3 +415,15 @@ def test_the_estimates_bound_what_the_runs_write(tiny_reward_model, small_data, 
     model = rm.load_reward_model(tiny_reward_model)
     assert folder_bytes(tiny_reward_model) <= rm.saved_bytes(model) \
         <= 2 * folder_bytes(tiny_reward_model)
+
+
+def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, capsys):
+    """Where flock is refused (ENOLCK: an NFS mount without lockd), one warning line, and
+    the run holds nothing rather than stopping."""
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(disk.fcntl, "flock", no_locks)
+    with disk.holding([tmp_path / "run"]):
+        pass
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: cannot lock {tmp_path / 'run'} (No locks available)")
