@@ -110,7 +110,7 @@ def out_problem(out):
     out = Path(out).resolve()
     if out.exists() and not out.is_dir():
         return f"argument --out: {out} is a file; pass a folder"
-    existing = next(p for p in (out, *out.parents) if p.exists())
+    existing = nearest_existing(out)
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         return f"argument --out: cannot write {out}: {existing} is not a writable folder"
     return None
@@ -134,10 +134,15 @@ def megabytes(n):
     return f"{n / 1e6:,.1f} MB"
 
 
+def nearest_existing(path):
+    """`path` or the nearest of its parents that exists (resolved)."""
+    path = Path(path).resolve()
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
 def free_bytes(path):
     """(free bytes, the folder measured): the nearest existing folder at or above `path`."""
-    existing = next(p for p in (Path(path).resolve(), *Path(path).resolve().parents)
-                    if p.exists())
+    existing = nearest_existing(path)
     return shutil.disk_usage(existing).free, existing
 
 

@@ -44,20 +44,28 @@ def timed_step(model, optimizer, batch, naive):
     return seconds, loss
 
 
+def training_batches(rm_flags=(), lr=None):
+    """The cpu preset's reward model and its training batches of people's comparisons and
+    the human off-post pairs (no sampling): (config, model, human, off_post, batches).
+    `lr` 0.0 keeps the weights as they are (both ways of a step see the same ones)."""
+    config = rm.parse_config(["--preset", "cpu", *rm_flags, "--reference-pairs", "0",
+                              "--off-post-sample-pairs", "0"])
+    if lr is not None:
+        config.lr = config.head_lr = lr
+    data = rm_data.load_and_split(config)
+    model, tokenizer = rm.build_for_run(config, "cpu")
+    human, _ = rm_data.comparison_pairs(tokenizer, data, config)
+    _, off_post, _, _, _ = rm_data.sample_reference_phase(config, tokenizer, data, [], "cpu")
+    return config, model, human, off_post, rm.batches_of(human + off_post, config.batch_pairs)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="batches to time (default 12)")
     parser.add_argument("--seed", type=int, default=0, help="which batches (default 0)")
     parser.add_argument("rm_flags", nargs="*", help="reward_model.py's flags, after --")
     args = parser.parse_args()
-    config = rm.parse_config(["--preset", "cpu", *args.rm_flags, "--reference-pairs", "0",
-                              "--off-post-sample-pairs", "0"])
-    config.lr = config.head_lr = 0.0             # the same weights for both ways
-    data = rm_data.load_and_split(config)
-    model, tokenizer = rm.build_for_run(config, "cpu")
-    human, _ = rm_data.comparison_pairs(tokenizer, data, config)
-    _, off_post, _, _, _ = rm_data.sample_reference_phase(config, tokenizer, data, [], "cpu")
-    batches = rm.batches_of(human + off_post, config.batch_pairs)
+    config, model, human, off_post, batches = training_batches(args.rm_flags, lr=0.0)
     chosen = random.Random(args.seed).sample(batches, min(args.steps, len(batches)))
     optimizer = rm.make_optimizer(model, config)
     timed_step(model, optimizer, chosen[0], naive=False)            # warm-up, not counted

@@ -40,7 +40,7 @@ from transformers import AutoConfig
 
 import loaders
 import reward_model as rm
-from support import rm_data
+from tools.bench_rm_step import training_batches
 
 
 def best_seconds(fn, repeat=5):
@@ -102,14 +102,8 @@ def rm_step(steps, gflops, seed=0):
     """(median measured seconds, floor seconds, tokens a step) of the reward model's
     training step at the cpu preset, on `steps` random batches of people's comparisons and
     the human off-post pairs."""
-    config = rm.parse_config(["--preset", "cpu", "--reference-pairs", "0",
-                              "--off-post-sample-pairs", "0"])
-    data = rm_data.load_and_split(config)
-    model, tokenizer = rm.build_for_run(config, "cpu")
-    human, _ = rm_data.comparison_pairs(tokenizer, data, config)
-    _, off_post, _, _, _ = rm_data.sample_reference_phase(config, tokenizer, data, [], "cpu")
-    batches = random.Random(seed).sample(rm.batches_of(human + off_post, config.batch_pairs),
-                                         steps + 1)
+    config, model, _, _, batches = training_batches()
+    batches = random.Random(seed).sample(batches, steps + 1)
     optimizer = rm.make_optimizer(model, config)
     body, _ = layer_params(model.body.config)
     top = config.lora_layers / model.body.config.num_hidden_layers
