@@ -19,14 +19,17 @@ outside it:
     samples_page       a static HTML page of every held-out post with its human, reference
                        and policy summaries and their numbers, to read the samples themselves
 
-The post has none of these; they are additions for judging its results. Standard library
-only, so they run anywhere: nothing here loads a model or a tensor.
+The post has none of these; they are additions for judging its results. Nothing here loads
+a model or a tensor; ROUGE-L comes from the `rouge-score` package, the rest is the
+standard library.
 
 Choices, each repeated where it is made:
-  1. One tokenizer, `words`: lowercase runs of letters and digits (any script), apostrophes
-     kept inside a word ("don't"), curly apostrophes read as straight ones. No stemming and
-     no stop words, so ROUGE-L here differs a little from the `rouge-score` package's.
-  2. ROUGE-L is the F1 (beta = 1) form of Lin's F_lcs; Lin's DUC runs weighted recall.
+  1. One tokenizer, `words`, for retrieval and the question and help flags: lowercase runs
+     of letters and digits (any script), apostrophes kept inside a word ("don't"), curly
+     apostrophes read as straight ones; no stemming, no stop words.
+  2. ROUGE-L is not ours: it is `rouge-score`'s ROUGE-L F1 with the Porter stemmer, the
+     number summarisation papers (Stiennon et al. among them) report, so that ours can sit
+     beside theirs. F1 is the beta = 1 form of Lin's F_lcs; Lin's DUC runs weighted recall.
   3. Retrieval ties count against the summary: a summary that scores its own post no higher
      than another post has not found it, and a summary with no word of any post ranks last.
 
@@ -44,54 +47,40 @@ import math
 import re
 from collections import Counter
 
+from rouge_score import rouge_scorer
+
 _WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)*")  # letters/digits, inner apostrophes: "don't"
 
 
-# ---------------------------------------------------------------- the one tokenizer
+# ---------------------------------------------------------------- the tokenizer
 
 def words(text):
     """Lowercase word tokens of `text`: list of str.
 
     A word is a run of letters or digits (any script), with apostrophes kept inside it:
     "Don't" -> "don't", "'quoted'" -> "quoted". Curly apostrophes count as straight ones.
-    Every measure in this file tokenizes with this function (choice 1).
+    Every measure here but ROUGE-L tokenizes with this function (choice 1).
     """
     return _WORD.findall(text.lower().replace("\u2019", "'"))
 
 
 # ---------------------------------------------------------------- ROUGE-L (Lin 2004)
 
-def lcs_length(a, b):
-    """Length of the longest common subsequence of two sequences (lists of tokens): int.
-
-    Dynamic programming in O(len(a) len(b)) time and two rows of memory.
-    """
-    if len(b) > len(a):
-        a, b = b, a                                     # rows as long as the shorter one
-    prev = [0] * (len(b) + 1)                           # L[i-1][.]
-    for x in a:
-        cur = [0] * (len(b) + 1)                        # L[i][.]
-        for j, y in enumerate(b, start=1):
-            # L[i][j] = L[i-1][j-1] + 1 if a_i = b_j, else max(L[i-1][j], L[i][j-1])
-            cur[j] = prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1])
-        prev = cur
-    return prev[-1]
+# Google's `rouge-score`, the implementation the summarisation papers report: lowercase,
+# runs of a-z and 0-9 as tokens, words of more than 3 letters cut to their Porter stem.
+_ROUGE = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
 
 
 def rouge_l(candidate, reference):
-    """ROUGE-L F1 of a candidate text against a reference text: float in [0, 1].
+    """ROUGE-L F1 of a candidate text against a reference text: float in [0, 1], as
+    `rouge-score` computes it with the Porter stemmer (choice 2), the papers' measure.
 
-    0.0 when either text has no words or they share none. Choice 2: F1 (beta = 1), where
-    Lin's F_lcs = (1 + beta^2) R P / (R + beta^2 P) lets beta weight recall.
+    With X the candidate's tokens, Y the reference's and LCS their longest common
+    subsequence (in order, not necessarily adjacent):
+        P_lcs = LCS(X, Y) / |X|,   R_lcs = LCS(X, Y) / |Y|,   F_lcs = 2 P R / (P + R)
+    0.0 when either text has no token or they share none.
     """
-    cand, ref = words(candidate), words(reference)
-    lcs = lcs_length(cand, ref) if cand and ref else 0
-    if lcs == 0:
-        return 0.0
-    # P_lcs = LCS(X, Y) / |X|,   R_lcs = LCS(X, Y) / |Y|    (X the candidate, Y the reference)
-    p, r = lcs / len(cand), lcs / len(ref)
-    # F_lcs = 2 P R / (P + R)
-    return 2 * p * r / (p + r)
+    return _ROUGE.score(reference, candidate)["rougeL"].fmeasure
 
 
 # ---------------------------------------------------------------- retrieval by TF-IDF
