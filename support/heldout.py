@@ -33,7 +33,7 @@ from support.report import (load_baseline, plot_curves, print_gain, print_row,
 
 # The settings that decide the reference's held-out samples and the human rows: a resumed
 # sweep reuses its stored ones only when these agree (and when they carry MEASURES).
-MEASURES = 3                    # 2: with outside_measures; 3: with the OpenAI 1.3B row
+MEASURES = 4    # 2: outside_measures; 3: the OpenAI 1.3B row; 4: rouge-score ROUGE-L, people's length
 OUTSIDE = ("rouge_l", "retrieval_rank", "relevance_gap", "question", "asks_help")  # per sample
 BASELINE_KEY = ("model", "reward_model", "reward", "data_dir", "preset", "prompt_tokens",
                 "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts", "batch",
@@ -108,7 +108,8 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
     # Per post, once per results.json (the policy's rows also carry ref_reward).
     baseline_posts = {"ref_samples": per_post(ref_samples, ("length", "eos", "copied_bigrams",
                                                             "text", *OUTSIDE)),
-                      "human_samples": per_post(human, ("text", *OUTSIDE[1:]))}
+                      "human_samples": per_post(human, ("length", "copied_bigrams", "text",
+                                                         *OUTSIDE[1:]))}
     if all("openai_1b" in p for p in held_out):         # the data's 1.3B PPO summaries
         with loaders.precision(cfg, device):
             baseline["openai_1b"], openai = written_row([p["openai_1b"] for p in held_out],
@@ -125,8 +126,8 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
 def written_row(texts, held_out, reward, tokenizer, cfg, human=False):
     """A row of written summaries of the held-out posts (people's TL;DRs, or the data's
     OpenAI 1.3B PPO ones): the judge's score of each (--reward; tokenized as in its
-    training), the measures it never saw, and for the 1.3B row its length in tokens and the
-    share of its bigrams copied from the post. Returns (the row's means, the samples)."""
+    training), the measures it never saw, its length in tokens and the share of its bigrams
+    copied from the post. Returns (the row's means, the samples)."""
     rewards = rm.score_texts(reward, tokenizer, [p["prompt"] for p in held_out], texts,
                              part=cfg.reward).float()                         # (n,)
     samples = outside_measures([{"reward": r, "text": t} for r, t in zip(rewards.tolist(),
@@ -135,13 +136,12 @@ def written_row(texts, held_out, reward, tokenizer, cfg, human=False):
     row = {"reward": sum(s["reward"] for s in samples) / len(samples),
            "reward_se": standard_error([s["reward"] for s in samples]),
            **outside_summary(samples)}
-    if not human:                                       # the human row stays as it was
-        for s, post in zip(samples, held_out):
-            ids = tokenizer(" " + s["text"]).input_ids                        # no EOS
-            s.update(length=len(ids), copied_bigrams=copied_bigrams(
-                ids, tokenizer(post["prompt"]).input_ids))
-        row.update(length=sum(s["length"] for s in samples) / len(samples),
-                   copied_bigrams=sum(s["copied_bigrams"] for s in samples) / len(samples))
+    for s, post in zip(samples, held_out):
+        ids = tokenizer(" " + s["text"]).input_ids                            # no EOS
+        s.update(length=len(ids), copied_bigrams=copied_bigrams(
+            ids, tokenizer(post["prompt"]).input_ids))
+    row.update(length=sum(s["length"] for s in samples) / len(samples),
+               copied_bigrams=sum(s["copied_bigrams"] for s in samples) / len(samples))
     return row, samples
 
 
