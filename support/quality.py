@@ -233,6 +233,7 @@ th { background: #eee; cursor: pointer; position: sticky; top: 0; }
 td { white-space: pre-wrap; overflow-wrap: anywhere; }
 td.text { min-width: 16em; max-width: 28em; }
 td.num { text-align: right; white-space: nowrap; }
+details[open] .head { display: none; }
 tbody tr:nth-child(even) { background: #f6f6f6; }"""
 
 # Click a header to sort by its column (numbers by data-v, text by content); again reverses.
@@ -262,7 +263,8 @@ def _row_html(i, row, texts, numbers):
     head = " ".join(post.split())
     head = head if len(head) <= 100 else head[:100] + "\u2026"
     cells = [f'<td class="num" data-v="{i}">{i}</td>',
-             f'<td class="text"><details><summary>{html.escape(head)}</summary>'
+             f'<td class="text"><details><summary><span class="head">{html.escape(head)}</span>'
+             '</summary>'
              f"{html.escape(post)}</details></td>"]
     for key in texts:
         text = row.get(key)

@@ -254,8 +254,10 @@ def test_samples_page_post_collapsed_with_a_short_summary():
     page = samples_page(ROWS, "t")
     assert "<details open" not in page
     head = " ".join(LONG.split())[:100] + "\u2026"               # first 100 characters + "..."
-    assert f"<details><summary>{head}</summary>" in page
-    assert "<details><summary>short</summary>short</details>" in page
+    # The short head shows while the post is closed; open, the CSS hides it (.head).
+    assert f'<details><summary><span class="head">{head}</span></summary>' in page
+    assert '<summary><span class="head">short</span></summary>short</details>' in page
+    assert "details[open] .head { display: none; }" in page
     walk(samples_page([], "empty"))                              # no rows: still a valid page
 
 
