@@ -84,7 +84,7 @@ def table(runs):
         lines.append(row(f"PPO, β = {config['beta']:g} (seed {config['seed']})",
                          final["samples"], humans))
     if "openai_1b_samples" in first:
-        lines.append(row("OpenAI's 1.3B PPO policy", first["openai_1b_samples"], humans))
+        lines.append(row("OpenAI's 1.3B PPO policy (10x our size, 64k+ human labels)", first["openai_1b_samples"], humans))
     copied = None if "copied_bigrams" in people[0] else people_copying(runs[0], humans)
     lines.append(row("people's TL;DRs", people, None, copied))
     return "\n".join(lines)
