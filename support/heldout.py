@@ -3,10 +3,12 @@
 Kept apart from ppo.py, whose loop reads like the post, and from measures.py, whose
 statistics are pure functions. ppo.py's `rollouts` (the post's last lines of `train`:
 generate, score, fluency) draws the samples and is passed in; nothing here imports ppo.py.
-Per sweep, once:
+Per judge, once:
     reference_and_human   the floor and the ceiling: the untrained model's samples and the
                           human TL;DRs, scored by the reward model (kept in baseline.json,
-                          which a resumed sweep reads back); and where the data has them,
+                          which a resumed sweep reads back, and in the judge's folder, which
+                          every later run with that judge and these settings reads back:
+                          `judge_copy`); and where the data has them,
                           the summaries of OpenAI's released 1.3B PPO policy (Stiennon et
                           al. 2020), a real RLHF summariser ten times our policy's size
                           trained on 64k+ human labels, as a yardstick (`written_row`)
@@ -20,6 +22,10 @@ Per run:
 Test: pytest tests/test_ppo.py -k "end_to_end or sweep"
 """
 
+import hashlib
+import json
+from pathlib import Path
+
 import torch
 
 import loaders
@@ -27,6 +33,7 @@ import reward_model as rm
 from support.measures import copied_bigrams, per_post, standard_error, summarize
 from support.quality import (asks_for_help, ends_with_question, paired_difference,
                              retrieval_ranks, rouge_l, samples_page)
+from support import cli, parallel
 from support.disk import write_json, write_text
 from support.report import (load_baseline, plot_curves, print_gain, print_row,
                             print_row_header, print_samples)
@@ -87,16 +94,52 @@ def outside_summary(samples, ref_samples=None):
     return out
 
 
+def fingerprint(cfg, models, held_out):
+    """What the reference and human rows depend on besides the settings in BASELINE_KEY: the
+    judge's saved weights and settings, the reference's weights, the held-out posts, the
+    device and torch. A sha256 hex digest."""
+    reference, reward, tokenizer, device = models
+    digest = hashlib.sha256()
+    for name in ("config.json", "adapter.safetensors", "head.safetensors"):
+        path = Path(cfg.reward_model) / name
+        digest.update(path.read_bytes() if path.is_file() else b"-")
+    for weight in (reference.get_input_embeddings().weight, reference.lm_head.weight):
+        digest.update(repr(float(weight.detach()[:256].double().sum())).encode())
+    posts = [[p["prompt"], p["summary"], p.get("openai_1b")] for p in held_out]
+    digest.update(json.dumps([posts, str(device), torch.__version__]).encode())
+    return digest.hexdigest()
+
+
+def judge_copy(cfg, key):
+    """Where the judge's folder keeps the reference and human rows made with `key`."""
+    return Path(cfg.reward_model) / "baselines" / f"{key['fingerprint'][:16]}.json"
+
+
+def keep_for_judge(path, base):
+    """A copy of the rows beside the judge, for later runs; a folder that cannot be written
+    (read-only, full) costs those runs the few minutes of sampling again, so one line."""
+    try:
+        path.parent.mkdir(exist_ok=True)
+        write_json(path, base)
+    except OSError as error:
+        print(f"note: the reference and human rows were not kept beside the judge "
+              f"({cli.write_problem(path, error) or error}); later runs sample them again")
+
+
 def reference_and_human(cfg, models, held_out, folder, rollouts):
     """The floor and the ceiling on the held-out posts: the untrained model's samples and
-    people's TL;DRs, scored. Once per sweep: `folder`/baseline.json keeps them, and a
-    resumed sweep reads them back when the settings that made them (BASELINE_KEY) agree."""
+    people's TL;DRs, scored. Once per judge: `folder`/baseline.json keeps them for a resumed
+    sweep, and the judge's folder (`judge_copy`) for every later run of any folder, each
+    read back only when the settings that made them (BASELINE_KEY) and the fingerprint of
+    the judge, the reference and the posts agree. Read back, they are the same numbers."""
     reference, reward, tokenizer, device = models
-    key = {**{k: getattr(cfg, k) for k in BASELINE_KEY}, "measures": MEASURES}
-    stored = load_baseline(folder / "baseline.json", key) if cfg.resume else None
-    if stored:
-        print(f"reference and human rows: from {folder / 'baseline.json'}")
-        return stored
+    key = {**{k: getattr(cfg, k) for k in BASELINE_KEY}, "measures": MEASURES,
+           "fingerprint": fingerprint(cfg, models, held_out)}
+    shared = judge_copy(cfg, key)
+    for path in ([folder / "baseline.json"] if cfg.resume else []) + [shared]:
+        if stored := load_baseline(path, key):
+            print(f"reference and human rows: from {path}")
+            return stored
     torch.manual_seed(10_000)
     ref_samples = rollouts(reference, reference, reward, tokenizer, held_out, cfg, device)
     with loaders.precision(cfg, device):
@@ -119,8 +162,11 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
     print(f"reference: reward {baseline['ref']['reward']:.2f} ± {baseline['ref']['reward_se']:.2f}"
           f", fluency {baseline['ref']['fluency']:.1f}; human TL;DRs: reward "
           f"{baseline['human']['reward']:.2f} ± {baseline['human']['reward_se']:.2f}")
-    return {"key": key, "baseline": baseline, "baseline_posts": baseline_posts,
+    base = {"key": key, "baseline": baseline, "baseline_posts": baseline_posts,
             "ref_samples": ref_samples}
+    if parallel.is_main():
+        keep_for_judge(shared, base)
+    return base
 
 
 def written_row(texts, held_out, reward, tokenizer, cfg, human=False):

@@ -16,9 +16,11 @@ import copy
 import csv
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ import torch
 import loaders
 import ppo
 import reward_model as rm
-from support import measures, report
+from support import heldout, measures, report
 from tools import compare_estimators, floors, same_numbers
 from gae import advantages_and_returns, response_mask, shaped_rewards, whiten
 from lora import with_lora
@@ -412,8 +414,10 @@ def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
         assert row["ratio_min"] == row["ratio_max"] == 1.0
     assert (tmp_path / "straight" / "curves.png").stat().st_size > 1000
 
-    # Stop after 2 iterations (a checkpoint), then resume to 4: the same numbers.
-    run(*common, "--iterations", "2", "--out", str(tmp_path / "resumed"))
+    # Stop after 2 iterations (a checkpoint), then resume to 4: the same numbers. The
+    # reference and human rows come from the judge's folder, where the first run left them.
+    first = run(*common, "--iterations", "2", "--out", str(tmp_path / "resumed"))
+    assert f"reference and human rows: from {tiny_reward_model / 'baselines'}" in first
     run(*common, "--iterations", "4", "--out", str(tmp_path / "resumed"), "--resume")
     resumed = json.loads((tmp_path / "resumed" / "results.json").read_text())
     assert len(resumed["commits"]) == 2 and resumed["commits"][0] == straight["commits"][0]
@@ -933,3 +937,29 @@ def test_floors_count_smollm2s_weights_and_each_phases_work():
     prefill = (2 * body * 2 * 10 + 2 * head * 2) / 1e9
     assert got["generate"] == (pytest.approx(prefill + 2 * 4 * (body + head) / 0.5e9),
                                "weight reads")
+
+
+def test_the_rows_kept_beside_the_judge_are_keyed_by_what_made_them(tiny_judge, tiny, tmp_path,
+                                                                     capsys):
+    """heldout.fingerprint changes with the judge's weights, the reference, the posts; a
+    judge folder that cannot be written costs one line, not the run."""
+    cfg = SimpleNamespace(reward_model=str(tiny_judge))
+    posts = [{"prompt": "a post", "summary": "a TL;DR"}]
+    models = (tiny, None, None, torch.device("cpu"))
+    before = heldout.fingerprint(cfg, models, posts)
+    assert heldout.fingerprint(cfg, models, posts) == before            # it is a function
+    assert heldout.fingerprint(cfg, models, [{**posts[0], "summary": "other"}]) != before
+    other = loaders.tiny_model(loaders.load_tokenizer(), seed=1)
+    assert heldout.fingerprint(cfg, (other, None, None, torch.device("cpu")), posts) != before
+    judge = tmp_path / "judge"
+    shutil.copytree(tiny_judge, judge)
+    (judge / "head.safetensors").write_bytes(b"another head")
+    assert heldout.fingerprint(SimpleNamespace(reward_model=str(judge)), models, posts) != before
+    key = {"fingerprint": before}
+    path = heldout.judge_copy(SimpleNamespace(reward_model=str(judge)), key)
+    heldout.keep_for_judge(path, {"key": key})
+    assert json.loads(path.read_text()) == {"key": key}
+    blocked = judge / "blocked"
+    blocked.write_text("a file where the folder would be")
+    heldout.keep_for_judge(blocked / "baselines" / "x.json", {"key": key})
+    assert "not kept beside the judge" in capsys.readouterr().out
