@@ -963,3 +963,14 @@ def test_the_rows_kept_beside_the_judge_are_keyed_by_what_made_them(tiny_judge, 
     blocked.write_text("a file where the folder would be")
     heldout.keep_for_judge(blocked / "baselines" / "x.json", {"key": key})
     assert "not kept beside the judge" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_heldout_reads_back_the_same_rows(tiny_reward_model):
+    kept = lambda: sorted((tiny_reward_model / "baselines").glob("*"))  # noqa: E731
+    before = kept()
+    out = run("-m", "tools.bench_heldout", "--reward-model", str(tiny_reward_model),
+              "--preset", "tiny")
+    assert "preset tiny, 4 posts: sampled and scored" in out
+    assert out.rstrip().endswith("the same numbers: True")
+    assert kept() == before                      # it worked on a copy of the judge's folder
