@@ -78,7 +78,7 @@ from loaders import encode, micro_batches
 from lora import adapter_numel, with_lora
 from support import cli, disk
 from support.config import option, read_config
-from support.heldout import evaluate_run, reference_and_human
+from support.heldout import evaluate_run, keep_for_judge, reference_and_human
 from support.measures import copied_bigrams
 from support.report import (Laps, NonFiniteError, check_finite,
                             check_run_folders, checkpoint_iteration, finished_row,
@@ -808,8 +808,9 @@ def run_plan(cfg, plan, folder):
                 print(f"beta={beta:g} seed={seed} failed: {error}")    # a row, not a gap
                 record_failure(run_dir, run_config(cfg, beta, seed), error)
                 continue
-            if not base_saved:                  # once, for a resumed sweep to read back
+            if not base_saved:      # once, for a resumed sweep and later runs to read back
                 write_json(folder / "baseline.json", base)
+                keep_for_judge(cfg, base)
                 base_saved = True
             if parallel.is_main():
                 evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir,

@@ -115,9 +115,15 @@ def judge_copy(cfg, key):
     return Path(cfg.reward_model) / "baselines" / f"{key['fingerprint'][:16]}.json"
 
 
-def keep_for_judge(path, base):
-    """A copy of the rows beside the judge, for later runs; a folder that cannot be written
-    (read-only, full) costs those runs the few minutes of sampling again, so one line."""
+def keep_for_judge(cfg, base):
+    """A copy of the rows beside the judge, for later runs, written once a run has trained
+    (a run that stops before changes nothing). A folder that cannot be written (read-only,
+    full) costs those runs the few minutes of sampling again, so one line."""
+    if not parallel.is_main():                          # the others hold no rows
+        return
+    path = judge_copy(cfg, base["key"])
+    if path.is_file():
+        return
     try:
         path.parent.mkdir(exist_ok=True)
         write_json(path, base)
@@ -135,8 +141,7 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
     reference, reward, tokenizer, device = models
     key = {**{k: getattr(cfg, k) for k in BASELINE_KEY}, "measures": MEASURES,
            "fingerprint": fingerprint(cfg, models, held_out)}
-    shared = judge_copy(cfg, key)
-    for path in ([folder / "baseline.json"] if cfg.resume else []) + [shared]:
+    for path in ([folder / "baseline.json"] if cfg.resume else []) + [judge_copy(cfg, key)]:
         if stored := load_baseline(path, key):
             print(f"reference and human rows: from {path}")
             return stored
@@ -162,11 +167,8 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
     print(f"reference: reward {baseline['ref']['reward']:.2f} ± {baseline['ref']['reward_se']:.2f}"
           f", fluency {baseline['ref']['fluency']:.1f}; human TL;DRs: reward "
           f"{baseline['human']['reward']:.2f} ± {baseline['human']['reward_se']:.2f}")
-    base = {"key": key, "baseline": baseline, "baseline_posts": baseline_posts,
+    return {"key": key, "baseline": baseline, "baseline_posts": baseline_posts,
             "ref_samples": ref_samples}
-    if parallel.is_main():
-        keep_for_judge(shared, base)
-    return base
 
 
 def written_row(texts, held_out, reward, tokenizer, cfg, human=False):

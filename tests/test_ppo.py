@@ -957,11 +957,11 @@ def test_the_rows_kept_beside_the_judge_are_keyed_by_what_made_them(tiny_judge, 
     assert heldout.fingerprint(SimpleNamespace(reward_model=str(judge)), models, posts) != before
     key = {"fingerprint": before}
     path = heldout.judge_copy(SimpleNamespace(reward_model=str(judge)), key)
-    heldout.keep_for_judge(path, {"key": key})
+    heldout.keep_for_judge(SimpleNamespace(reward_model=str(judge)), {"key": key})
     assert json.loads(path.read_text()) == {"key": key}
     blocked = judge / "blocked"
     blocked.write_text("a file where the folder would be")
-    heldout.keep_for_judge(blocked / "baselines" / "x.json", {"key": key})
+    heldout.keep_for_judge(SimpleNamespace(reward_model=str(blocked)), {"key": key})
     assert "not kept beside the judge" in capsys.readouterr().out
 
 
