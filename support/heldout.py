@@ -171,6 +171,13 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
             "ref_samples": ref_samples}
 
 
+def length_and_copying(tokenizer, text, prompt):
+    """A written summary's length in tokens (no EOS) and the share of its token bigrams
+    that occur in its post's prompt (measures.copied_bigrams), as the samples' are."""
+    ids = tokenizer(" " + text).input_ids
+    return len(ids), copied_bigrams(ids, tokenizer(prompt).input_ids)
+
+
 def written_row(texts, held_out, reward, tokenizer, cfg, human=False):
     """A row of written summaries of the held-out posts (people's TL;DRs, or the data's
     OpenAI 1.3B PPO ones): the judge's score of each (--reward; tokenized as in its
@@ -185,9 +192,8 @@ def written_row(texts, held_out, reward, tokenizer, cfg, human=False):
            "reward_se": standard_error([s["reward"] for s in samples]),
            **outside_summary(samples)}
     for s, post in zip(samples, held_out):
-        ids = tokenizer(" " + s["text"]).input_ids                            # no EOS
-        s.update(length=len(ids), copied_bigrams=copied_bigrams(
-            ids, tokenizer(post["prompt"]).input_ids))
+        s["length"], s["copied_bigrams"] = length_and_copying(tokenizer, s["text"],
+                                                              post["prompt"])
     row.update(length=sum(s["length"] for s in samples) / len(samples),
                copied_bigrams=sum(s["copied_bigrams"] for s in samples) / len(samples))
     return row, samples

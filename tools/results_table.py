@@ -23,7 +23,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import loaders
-from support.measures import copied_bigrams, standard_error
+from support.heldout import length_and_copying
+from support.measures import standard_error
 from support.quality import rouge_l, words
 
 COLUMNS = ("summaries", "reward (judge)", "retrieval MRR", "ROUGE-L", "words",
@@ -43,11 +44,11 @@ def read_results(folder):
 
 def people_copying(results, texts):
     """Copied-bigram shares of people's TL;DRs, for a results.json that lacks them: the
-    held-out prompts rebuilt from the run's settings, tokenized as heldout.written_row does."""
+    held-out prompts rebuilt from the run's settings, measured as heldout.written_row does."""
     cfg = SimpleNamespace(**results["config"])
     tokenizer = loaders.load_tokenizer(cfg.model)
     _, held_out = loaders.load_prompts(cfg, tokenizer)
-    return [copied_bigrams(tokenizer(" " + text).input_ids, tokenizer(post["prompt"]).input_ids)
+    return [length_and_copying(tokenizer, text, post["prompt"])[1]
             for text, post in zip(texts, held_out)]
 
 
