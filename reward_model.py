@@ -120,6 +120,11 @@ class Config:
     max_pairs: int = option(0, "train on at most this many comparisons (a seeded random "
                                "subset); 0 = all")
     batch_pairs: int = option(8, "comparisons per optimizer step (2 rows each)")
+    batching: str = option("length", "length: batches of --batch-pairs comparisons sorted "
+                                      "by length; post: every comparison of a post in one "
+                                      "batch of about --batch-pairs, each distinct summary "
+                                      "read once (Ouyang et al. 2022, sec. 3.5; ~0.8x the "
+                                      "tokens)")
     lr: float = option(3e-4, "AdamW learning rate of the LoRA adapter (usual LoRA range)")
     head_lr: float = option(5e-4, "AdamW learning rate of the scalar head")
     lora_layers: int = option(0, "put the adapter on the top N layers only; 0 = every "
@@ -170,6 +175,9 @@ RANGES = {"seed": cli.NON_NEGATIVE, "epochs": cli.COUNT, "max_pairs": cli.NON_NE
           "sample_batch": cli.COUNT, "off_post_pairs": cli.NON_NEGATIVE,
           "off_post_sample_pairs": cli.NON_NEGATIVE, "off_post_negatives": cli.COUNT}
 
+# How training batches its comparisons (--batching; train)
+BATCHINGS = ("length", "post")
+
 # The two scores a saved model gives (R5), and the one ppo.py maximises unless told.
 # `content` by default: the length term is what PPO exploited when it was part of the
 # reward (samples ran to the 48-token limit, scored highest for it), and w g(y) adds
@@ -182,7 +190,8 @@ def parse_config(argv=None):
     """Defaults, then the preset's overrides, then the flags given on the command line;
     then every value is checked (RANGES, --out, --data-dir, --model): a bad one exits with
     status 2 and one line, before anything loads."""
-    config, parser = read_config(Config, PRESETS, RANGES, {"preset": tuple(PRESETS)}, argv,
+    config, parser = read_config(Config, PRESETS, RANGES, {"preset": tuple(PRESETS), "batching": BATCHINGS},
+                                 argv,
                                  __doc__.splitlines()[0])
     if problem := cli.out_problem(config.out):
         parser.error(problem)
@@ -477,29 +486,45 @@ def make_optimizer(model, config):
                              weight_decay=0.0)
 
 
-def train_step(model, optimizer, batch):
+def summary_rows(pairs, merge=False):
+    """The rows one training step reads for `pairs`: (prompts, summaries, owner, tokens,
+    chosen, rejected).
+
+    prompts: the distinct prompts, in order; summaries: one id list per row; owner (R,): the
+    prompt each row follows; tokens: g's |y| per row (R5); chosen, rejected (k,): the row of
+    each pair's y_w and y_l. Rows 0..k-1 are the chosen summaries and k..2k-1 the rejected
+    ones; with `merge`, a summary that several pairs of one post hold is one row instead.
+    """
+    prompts = list(dict.fromkeys(tuple(p["prompt"]) for p in pairs))        # in order
+    index = {prompt: i for i, prompt in enumerate(prompts)}
+    keys = [(index[tuple(p["prompt"])], tuple(p[side]), p[side + "_tokens"])
+            for side in ("chosen", "rejected") for p in pairs]              # 2k
+    rows = list(dict.fromkeys(keys)) if merge else keys
+    at = {key: i for i, key in enumerate(rows)}
+    where = torch.tensor([at[key] for key in keys] if merge else range(len(keys)))   # (2k,)
+    return ([list(p) for p in prompts], [list(s) for _, s, _ in rows],
+            torch.tensor([o for o, _, _ in rows]), [t for _, _, t in rows],
+            where[:len(pairs)], where[len(pairs):])
+
+
+def train_step(model, optimizer, batch, merge=False):
     """One AdamW step of (R1) on a list of pairs. Returns the batch's (loss, accuracy).
 
-    Under torchrun each rank takes its share of the pairs, and its loss is that share of the
-    batch's mean: the summed gradients are the whole batch's (parallel.py).
+    Each distinct prompt is read once for all its pairs (forward_shared); with `merge`, each
+    distinct summary of a post once too (`summary_rows`). Under torchrun each rank takes
+    its share of the pairs, and its loss is that share of the batch's mean: the summed
+    gradients are the whole batch's (parallel.py).
     """
     mine = parallel.mine(batch)                  # all of them in one process
     k = len(mine)
     optimizer.zero_grad()
     loss_sum = right = 0.0
     if k:                                        # a rank may get none of a short last batch
-        # Each distinct prompt is read once for all its pairs (forward_shared): rows 0..k-1
-        # are the chosen summaries, k..2k-1 the rejected ones.
-        prompts = list(dict.fromkeys(tuple(p["prompt"]) for p in mine))   # in order
-        index = {prompt: i for i, prompt in enumerate(prompts)}
-        owner = torch.tensor([index[tuple(p["prompt"])] for p in mine]).repeat(2)   # (2k,)
-        f = model.forward_shared([list(p) for p in prompts],
-                                 [p["chosen"] for p in mine] + [p["rejected"] for p in mine],
-                                 owner)                                     # (2k,)
-        tokens = [p["chosen_tokens"] for p in mine] + [p["rejected_tokens"] for p in mine]
+        prompts, summaries, owner, tokens, w, l = summary_rows(mine, merge)
+        f = model.forward_shared(prompts, summaries, owner)                 # (R,)
         # (R5)  r = f + w g(y), w frozen (a buffer): the gradient reaches f only
-        scores = model.score_part(f, tokens, "full")                        # (2k,)
-        r_w, r_l = scores[:k], scores[k:]                                   # (k,), (k,)
+        scores = model.score_part(f, tokens, "full")                        # (R,)
+        r_w, r_l = scores[w], scores[l]                                     # (k,), (k,)
         loss = bt_loss(r_w, r_l) * (k / len(batch))     # this rank's share of the mean (R1)
         loss.backward()
         loss_sum = loss.item()
@@ -520,10 +545,33 @@ def batches_of(pairs, size):
     return [ordered[i:i + size] for i in range(0, len(ordered), size)]
 
 
+def batches_by_post(pairs, size):
+    """Batches that keep every comparison of a post together (Ouyang et al. 2022, sec. 3.5:
+    each completion read once, not once per comparison), whole posts added until about
+    `size` comparisons; a post with more is a batch of its own. Posts are ordered by their
+    longest summary, in steps of 8 tokens, then by prompt length, so a batch pads little."""
+    posts = {}
+    for p in pairs:
+        posts.setdefault(tuple(p["prompt"]), []).append(p)
+
+    def order(post):
+        longest = max(len(p[side]) for p in post for side in ("chosen", "rejected"))
+        return longest // 8, len(post[0]["prompt"])
+    batches, batch = [], []
+    for post in sorted(posts.values(), key=order):
+        if batch and len(batch) + len(post) > size:
+            batches.append(batch)
+            batch = []
+        batch = batch + post
+    return batches + [batch] if batch else batches
+
+
 def train(model, pairs, config):
-    """`epochs` passes of (R1) over length-bucketed batches. Returns per-step losses."""
+    """`epochs` passes of (R1) over batches of similar length (`batches_of`, or
+    `batches_by_post` under --batching post). Returns per-step losses and the accuracy."""
     optimizer = make_optimizer(model, config)
-    batches = batches_of(pairs, config.batch_pairs)
+    merge = config.batching == "post"
+    batches = (batches_by_post if merge else batches_of)(pairs, config.batch_pairs)
     steps, warm = config.epochs * len(batches), max(1, config.epochs * len(batches) // 20)
     # Linear warm-up over the first 5% of steps, then linear decay to 0.
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -533,7 +581,7 @@ def train(model, pairs, config):
         for _ in range(config.epochs):
             rng.shuffle(batches)                 # shuffles the order of batches, each epoch
             for batch in batches:
-                loss, accuracy = train_step(model, optimizer, batch)
+                loss, accuracy = train_step(model, optimizer, batch, merge)
                 schedule.step()
                 losses.append(loss)
                 right, seen = right + accuracy * len(batch), seen + len(batch)

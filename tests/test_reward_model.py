@@ -290,6 +290,62 @@ def test_a_training_step_reads_each_prompt_once_with_the_loss_of_full_passes():
     assert loss == pytest.approx(expected.item(), abs=1e-5)
 
 
+def post_batch():
+    """Three pairs of post 0 (people compared its summaries 0-1, 0-2 and 1-2) and one of
+    post 1: the rows a step reads, with and without merging."""
+    prompts, summaries = rows((9, 25), seed=11), rows((3, 11, 7, 20, 5), seed=12)
+    which = [(0, 0, 1), (0, 0, 2), (0, 1, 2), (1, 3, 4)]    # (prompt, chosen, rejected)
+    return [{"post_id": p, "prompt": prompts[p], "chosen": summaries[w],
+             "rejected": summaries[l], "chosen_tokens": len(summaries[w]) - 1,
+             "rejected_tokens": len(summaries[l]) - 1} for p, w, l in which]
+
+
+def test_summary_rows_merge_a_posts_repeated_summaries_and_point_each_pair_at_its_own():
+    batch = post_batch()
+    prompts, summaries, owner, tokens, w, l = rm.summary_rows(batch)
+    assert len(prompts) == 2 and len(summaries) == 8         # every pair's two rows
+    assert w.tolist() == [0, 1, 2, 3] and l.tolist() == [4, 5, 6, 7]
+    prompts, summaries, owner, tokens, w, l = rm.summary_rows(batch, merge=True)
+    assert len(summaries) == 5                               # post 0's three, post 1's two
+    for pair, i, j in zip(batch, w.tolist(), l.tolist()):
+        assert summaries[i] == pair["chosen"] and summaries[j] == pair["rejected"]
+        assert prompts[owner[i]] == pair["prompt"] == prompts[owner[j]]
+        assert tokens[i] == pair["chosen_tokens"] and tokens[j] == pair["rejected_tokens"]
+
+
+def test_a_merged_step_takes_the_same_loss_and_gradient_as_an_unmerged_one():
+    """Reading a repeated summary once changes how much is computed, not what."""
+    batch, after = post_batch(), []
+    for merge in (False, True):
+        model, _ = tiny_model()
+        with torch.no_grad():
+            model.length_weight.fill_(0.7)
+            model.head.bias.fill_(0.3)
+        config = rm.Config(**rm.PRESETS["tiny"])
+        loss, accuracy = rm.train_step(model, rm.make_optimizer(model, config), batch, merge)
+        after.append((loss, accuracy, [p.grad.clone() for p in model.parameters()
+                                       if p.requires_grad]))
+    (loss, accuracy, grads), (merged_loss, merged_accuracy, merged_grads) = after
+    assert merged_loss == pytest.approx(loss, abs=1e-6) and merged_accuracy == accuracy
+    assert any(g.abs().max() > 0 for g in grads)
+    for a, b in zip(grads, merged_grads):
+        assert (a - b).abs().max().item() < 1e-5 * max(1.0, a.abs().max().item())
+
+
+def test_batches_by_post_keep_each_posts_comparisons_together():
+    pairs = [{"post_id": i, "prompt": [7] * (5 + i % 3) + [i], "chosen": [1] * (1 + j),
+              "rejected": [1] * (2 + j)} for i, n in enumerate((1, 3, 2, 11, 1, 4, 2))
+             for j in range(n)]
+    batches = rm.batches_by_post(pairs, 8)
+    assert sorted(id(p) for b in batches for p in b) == sorted(id(p) for p in pairs)
+    where = {}
+    for i, batch in enumerate(batches):
+        assert len(batch) <= 8 or len({p["post_id"] for p in batch}) == 1   # 11 alone
+        for p in batch:
+            assert where.setdefault(p["post_id"], i) == i
+    assert len(batches) < len(pairs) / 4                    # whole posts fill the batches
+
+
 def test_score_ids_reads_the_response_eos_after_a_left_padded_prompt():
     """PPO's layout, [pads, prompt][response, EOS, pads], scores like the bare sequence."""
     model, tokenizer = tiny_model()

@@ -1,7 +1,9 @@
 """The reward model's training step, its prompts read once per batch (`train_step`) against
-once per pair (the naive way, and this file's before ee62c7c), on the same batches.
+once per pair (the naive way), on the same batches; with --batching post, batches of whole
+posts (`batches_by_post`) against batches sorted by length (`batches_of`), per comparison.
 
     python -m tools.bench_rm_step                                   # cpu preset, 12 batches
+    python -m tools.bench_rm_step --batching post --steps 16        # the two batchings
     python -m tools.bench_rm_step --steps 20 -- --off-post-pairs 1024 --off-post-negatives 4
 
 The flags after `--` are reward_model.py's and choose the training pairs: people's
@@ -10,7 +12,10 @@ pairs). Batches are drawn at random from `reward_model.batches_of`, as training 
 them; on each, the two ways run back to back, in alternating order, at the same weights
 (the learning rate is 0). Prints seconds per step, their ratio (mean of per-batch ratios,
 with its SE), the prompt tokens each way reads, and the largest loss difference between
-the two (they compute the same numbers). Time it on an otherwise idle machine.
+the two (they compute the same numbers). With --batching post it times --steps batches
+drawn from each batching instead, alternating, and prints seconds per comparison, their
+ratio, and the tokens each batching's whole epoch reads, padding included. Time it on an
+otherwise idle machine.
 """
 import argparse
 import math
@@ -59,13 +64,64 @@ def training_batches(rm_flags=(), lr=None):
     return config, model, human, off_post, rm.batches_of(human + off_post, config.batch_pairs)
 
 
+def batch_tokens(batch, merge):
+    """Tokens one step reads, padding included: its prompt pass (distinct prompts x the
+    longest) and its summary pass (rows x the longest)."""
+    prompts, summaries, *_ = rm.summary_rows(batch, merge)
+    return len(prompts) * max(map(len, prompts)) + len(summaries) * max(map(len, summaries))
+
+
+def compare_batchings(model, optimizer, pairs, config, steps, seed):
+    """Seconds per comparison and per 1,000 tokens read of --batching length and post, on
+    `steps` batches of each drawn at random, timed alternately at the same weights; each
+    epoch's tokens, and its time projected from them at the measured rate."""
+    ways = {"length": (rm.batches_of(pairs, config.batch_pairs), False),
+            "post": (rm.batches_by_post(pairs, config.batch_pairs), True)}
+    rng = random.Random(seed)
+    drawn = {name: rng.sample(batches, min(steps, len(batches)))
+             for name, (batches, _) in ways.items()}
+    rm.train_step(model, optimizer, drawn["post"][0], True)                 # warm-up
+    seconds, compared = {name: 0.0 for name in ways}, {name: 0 for name in ways}
+    per_pair, read = {name: [] for name in ways}, {name: 0 for name in ways}
+    for i in range(min(map(len, drawn.values()))):
+        for name in (("length", "post") if i % 2 == 0 else ("post", "length")):
+            batch, merge = drawn[name][i], ways[name][1]
+            start = time.perf_counter()
+            rm.train_step(model, optimizer, batch, merge)
+            took = time.perf_counter() - start
+            seconds[name] += took
+            compared[name] += len(batch)
+            per_pair[name].append(took / len(batch))
+            read[name] += batch_tokens(batch, merge)
+    print(f"{len(pairs)} comparison and off-post pairs; timed {len(per_pair['post'])} "
+          "batches of each batching, alternating")
+    print(f"{'--batching':12}{'steps/epoch':>12}{'s/comparison':>14}{'SE':>7}"
+          f"{'s/1k tokens':>13}{'epoch tokens':>14}{'epoch s':>9}")
+    epoch = {}
+    for name, (batches, merge) in ways.items():
+        se = statistics.stdev(per_pair[name]) / math.sqrt(len(per_pair[name]))
+        rate, tokens = seconds[name] / read[name], sum(batch_tokens(b, merge) for b in batches)
+        epoch[name] = rate * tokens
+        print(f"{name:12}{len(batches):12}{seconds[name] / compared[name]:14.3f}{se:7.3f}"
+              f"{1000 * rate:13.3f}{tokens:14,}{epoch[name]:9.0f}")
+    print(f"post / length, an epoch projected from its tokens at each measured rate: "
+          f"{epoch['post'] / epoch['length']:.2f}x")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="batches to time (default 12)")
     parser.add_argument("--seed", type=int, default=0, help="which batches (default 0)")
+    parser.add_argument("--batching", choices=("prompt", "post"), default="prompt",
+                        help="prompt: a prompt read once per batch against once per pair "
+                             "(default); post: --batching post against length")
     parser.add_argument("rm_flags", nargs="*", help="reward_model.py's flags, after --")
     args = parser.parse_args()
     config, model, human, off_post, batches = training_batches(args.rm_flags, lr=0.0)
+    if args.batching == "post":
+        compare_batchings(model, rm.make_optimizer(model, config), human + off_post, config,
+                          args.steps, args.seed)
+        return
     chosen = random.Random(args.seed).sample(batches, min(args.steps, len(batches)))
     optimizer = rm.make_optimizer(model, config)
     timed_step(model, optimizer, chosen[0], naive=False)            # warm-up, not counted
