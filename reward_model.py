@@ -178,8 +178,8 @@ RANGES = {"seed": cli.NON_NEGATIVE, "epochs": cli.COUNT, "max_pairs": cli.NON_NE
           "sample_batch": cli.COUNT, "off_post_pairs": cli.NON_NEGATIVE,
           "off_post_sample_pairs": cli.NON_NEGATIVE, "off_post_negatives": cli.COUNT}
 
-# How training batches its comparisons (--batching; train)
-BATCHINGS = ("length", "post")
+# Every text flag's allowed values. --batching: how training batches its comparisons (train)
+CHOICES = {"preset": tuple(PRESETS), "batching": ("length", "post")}
 
 # The two scores a saved model gives (R5), and the one ppo.py maximises unless told.
 # `content` by default: the length term is what PPO exploited when it was part of the
@@ -193,8 +193,7 @@ def parse_config(argv=None):
     """Defaults, then the preset's overrides, then the flags given on the command line;
     then every value is checked (RANGES, --out, --data-dir, --model): a bad one exits with
     status 2 and one line, before anything loads."""
-    config, parser = read_config(Config, PRESETS, RANGES, {"preset": tuple(PRESETS), "batching": BATCHINGS},
-                                 argv,
+    config, parser = read_config(Config, PRESETS, RANGES, CHOICES, argv,
                                  __doc__.splitlines()[0])
     if problem := cli.out_problem(config.out):
         parser.error(problem)

@@ -325,7 +325,7 @@ def test_no_data_anywhere_is_one_line_within_seconds(monkeypatch, capsys, tmp_pa
 
 @pytest.mark.parametrize("module, config, exempt", [
     (ppo, ppo.Config, set(ppo.CHOICES)),
-    (rm, rm.Config, {"preset"}),
+    (rm, rm.Config, set(rm.CHOICES)),
 ])
 def test_every_numeric_flag_has_a_range_and_every_text_flag_its_choices(module, config,
                                                                          exempt):
