@@ -126,8 +126,8 @@ class Config:
     batching: str = option("length", "length: batches of --batch-pairs comparisons sorted "
                                       "by length; post: every comparison of a post in one "
                                       "batch of about --batch-pairs, each distinct summary "
-                                      "read once (Ouyang et al. 2022, sec. 3.5; ~0.8x the "
-                                      "tokens)")
+                                      "read once (Ouyang et al. 2022, sec. 3.5): 0.75x the "
+                                      "tokens, not the default (docs/reward_model.md)")
     lr: float = option(3e-4, "AdamW learning rate of the LoRA adapter (usual LoRA range)")
     head_lr: float = option(5e-4, "AdamW learning rate of the scalar head")
     lora_layers: int = option(0, "put the adapter on the top N layers only; 0 = every "
@@ -723,6 +723,7 @@ def build_for_run(config, device):
                 "off_post_pairs": config.off_post_pairs,
                 "off_post_sample_pairs": config.off_post_sample_pairs,
                 "off_post_negatives": config.off_post_negatives,
+                "batching": config.batching,
                 "resolved_from": "random tiny model" if config.preset == "tiny"
                 else loaders.resolve_model(config.model)[0]}
     model, tokenizer = build_reward_model(settings, device)
