@@ -113,6 +113,18 @@ def native_bf16(device):
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def resolve_precision(choice, device):
+    """--precision's value for a run on `device`: `auto` is bf16 where bf16 matmuls are
+    native (`native_bf16`) and fp32 elsewhere. ValueError for bf16 on Apple MPS, where
+    bf16 autocast is untested here."""
+    if choice == "auto":
+        choice = "bf16" if native_bf16(device) else "fp32"
+    if choice == "bf16" and torch.device(device).type == "mps":
+        raise ValueError("argument --precision: bf16 runs on CUDA and on CPUs here; on Apple "
+                         "MPS use fp32 (bf16 autocast there is untested)")
+    return choice
+
+
 def precision(cfg, device):
     """The context for every transformer-body pass: bf16 autocast with --precision bf16,
     else nothing at all (fp32, as the post; and no autocast object on Apple MPS, which

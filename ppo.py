@@ -691,11 +691,10 @@ def parse_args(argv=None):
     for beta, seed in runs(cfg):
         if problem := cli.out_problem(run_dir_for(cfg, beta, seed)):
             parser.error(problem)
-    if cfg.precision == "auto":
-        cfg.precision = "bf16" if loaders.native_bf16(loaders.pick_device()) else "fp32"
-    if cfg.precision == "bf16" and loaders.pick_device().type == "mps":
-        parser.error("argument --precision: bf16 runs on CUDA and on CPUs here; on Apple MPS "
-                     "use fp32 (bf16 autocast there is untested)")
+    try:
+        cfg.precision = loaders.resolve_precision(cfg.precision, loaders.pick_device())
+    except ValueError as error:
+        parser.error(str(error))
     if cfg.estimator in ("rloo", "grpo") and cfg.samples_per_prompt < 2:
         parser.error(f"argument --samples-per-prompt: --estimator {cfg.estimator} needs at "
                      f"least 2 samples per prompt, got {cfg.samples_per_prompt}")

@@ -128,6 +128,10 @@ class Config:
                                       "batch of about --batch-pairs, each distinct summary "
                                       "read once (Ouyang et al. 2022, sec. 3.5): 0.75x the "
                                       "tokens, not the default (docs/reward_model.md)")
+    precision: str = option("fp32", "fp32 (exact, the default) | bf16: the body's passes "
+                                     "under bf16 autocast, the head, scores and loss in fp32 "
+                                     "(faster where bf16 matmuls are native: CUDA, AMX, "
+                                     "AVX512-BF16) | auto: bf16 where native, else fp32")
     lr: float = option(3e-4, "AdamW learning rate of the LoRA adapter (usual LoRA range)")
     head_lr: float = option(5e-4, "AdamW learning rate of the scalar head")
     lora_layers: int = option(0, "put the adapter on the top N layers only; 0 = every "
@@ -179,7 +183,8 @@ RANGES = {"seed": cli.NON_NEGATIVE, "epochs": cli.COUNT, "max_pairs": cli.NON_NE
           "off_post_sample_pairs": cli.NON_NEGATIVE, "off_post_negatives": cli.COUNT}
 
 # Every text flag's allowed values. --batching: how training batches its comparisons (train)
-CHOICES = {"preset": tuple(PRESETS), "batching": ("length", "post")}
+CHOICES = {"preset": tuple(PRESETS), "batching": ("length", "post"),
+           "precision": ("fp32", "bf16", "auto")}
 
 # The two scores a saved model gives (R5), and the one ppo.py maximises unless told.
 # `content` by default: the length term is what PPO exploited when it was part of the
@@ -197,6 +202,10 @@ def parse_config(argv=None):
                                  __doc__.splitlines()[0])
     if problem := cli.out_problem(config.out):
         parser.error(problem)
+    try:
+        config.precision = loaders.resolve_precision(config.precision, loaders.pick_device())
+    except ValueError as error:
+        parser.error(str(error))
     return config
 
 
@@ -293,8 +302,9 @@ class RewardModel(nn.Module):
         """(R2) and (R3) at the last column where mask is 1. hidden (B, L, d) -> (B,)."""
         last = last_token_index(mask)            # (B,); ValueError if a row has no real token
         h_T = hidden[torch.arange(len(last), device=last.device), last]     # (B, d)
-        # (R2)  r(x, y) = w . h_T + b
-        raw = self.head(h_T).squeeze(-1).float()                            # (B,)
+        with loaders.heads_in_fp32(h_T):         # under --precision bf16 the body's ran in bf16
+            # (R2)  r(x, y) = w . h_T + b
+            raw = self.head(h_T.float()).squeeze(-1)                        # (B,) fp32
         # (R3)  f_hat = f + bias       (bias stays 0 until training has finished)
         return raw + self.bias                                              # (B,)
 
@@ -653,8 +663,9 @@ def main(argv=None):
           + (", ".join(f"{k}={v}" for k, v in PRESETS[config.preset].items()) or "defaults")
           + "\nsettings: " + ", ".join(f"{k}={v}" for k, v in asdict(config).items()))
     # One process a folder (support/disk.py). Written aside and renamed into place when
-    # complete (rank 0 only, under torchrun)
-    with holding([config.out]):
+    # complete (rank 0 only, under torchrun). --precision bf16: every body pass (sampling,
+    # training, scoring) under bf16 autocast; weights, head, scores and loss stay fp32.
+    with holding([config.out]), loaders.precision(config, loaders.pick_device()):
         metrics = write_aside(config.out, lambda staging: run(config, staging, start))
     if metrics:
         print(f"saved to {config.out}/ ({metrics['seconds']:.0f} s in all)")
@@ -723,7 +734,7 @@ def build_for_run(config, device):
                 "off_post_pairs": config.off_post_pairs,
                 "off_post_sample_pairs": config.off_post_sample_pairs,
                 "off_post_negatives": config.off_post_negatives,
-                "batching": config.batching,
+                "batching": config.batching, "precision": config.precision,
                 "resolved_from": "random tiny model" if config.preset == "tiny"
                 else loaders.resolve_model(config.model)[0]}
     model, tokenizer = build_reward_model(settings, device)

@@ -21,6 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as reward_model.py: a sha
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -330,6 +331,59 @@ def test_a_merged_step_takes_the_same_loss_and_gradient_as_an_unmerged_one():
     assert any(g.abs().max() > 0 for g in grads)
     for a, b in zip(grads, merged_grads):
         assert (a - b).abs().max().item() < 1e-5 * max(1.0, a.abs().max().item())
+
+
+def bf16(on=True):
+    """--precision bf16's context (reward_model.main), on the CPU."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
+
+
+def test_under_bf16_the_head_reads_in_fp32_and_scores_stay_near_fp32s():
+    """--precision bf16 runs the body in bf16, never the head (R2): the head gives the same
+    fp32 number to the same hidden state with autocast on or off."""
+    model, _ = tiny_model()
+    sequences = rows((4, 17, 30, 9), seed=21)
+    ids, mask = rm_data.pad(sequences, 2, "right", "cpu")                  # (B, L)
+    hidden = torch.randn(len(sequences), ids.shape[1], 64, generator=torch.Generator()
+                         .manual_seed(22))                                 # (B, L, d)
+    with torch.no_grad():
+        fp32 = model(ids, mask)                                            # (B,)
+        with bf16():
+            half = model(ids, mask)
+            head_on = model.read_score(hidden, mask)
+        head_off = model.read_score(hidden, mask)
+    assert half.dtype == torch.float32 and torch.equal(head_on, head_off)
+    assert not torch.equal(half, fp32)                      # the body did run in bf16
+    assert (half - fp32).abs().max().item() < 0.05 * max(1.0, fp32.abs().max().item())
+
+
+def test_a_bf16_training_step_moves_the_adapter_as_an_fp32_step_does():
+    """The same batch, fp32 and under bf16 autocast: the loss within bf16's rounding and
+    each trained tensor's gradient pointing the same way (cosine > 0.99)."""
+    batch, after = post_batch(), []
+    for on in (False, True):
+        model, _ = tiny_model()
+        with torch.no_grad():
+            model.length_weight.fill_(0.7)
+        config = rm.Config(**rm.PRESETS["tiny"])
+        with bf16(on):
+            loss, _ = rm.train_step(model, rm.make_optimizer(model, config), batch)
+        after.append((loss, [p.grad.clone() for p in model.parameters() if p.requires_grad]))
+    (loss, grads), (half_loss, half_grads) = after
+    assert half_loss == pytest.approx(loss, abs=0.02)
+    # The head's bias has no gradient in either (R1 sees differences only): left out.
+    moved = [(a, b) for a, b in zip(grads, half_grads) if a.norm() > 1e-6]
+    assert len(moved) == len(grads) - 1
+    for a, b in moved:
+        assert F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+
+
+def test_precision_auto_is_bf16_exactly_where_bf16_matmuls_are_native(tmp_path):
+    out = str(tmp_path / "rm")
+    assert rm.parse_config(["--out", out]).precision == "fp32"           # the default
+    native = loaders.native_bf16(loaders.pick_device())
+    assert rm.parse_config(["--out", out, "--precision", "auto"]).precision == \
+        ("bf16" if native else "fp32")
 
 
 def test_batches_by_post_keep_each_posts_comparisons_together():

@@ -1,9 +1,11 @@
 """The reward model's training step, its prompts read once per batch (`train_step`) against
 once per pair (the naive way), on the same batches; with --batching post, batches of whole
-posts (`batches_by_post`) against batches sorted by length (`batches_of`), per comparison.
+posts (`batches_by_post`) against batches sorted by length (`batches_of`), per comparison;
+with --precision bf16, the step in fp32 against the step under bf16 autocast.
 
     python -m tools.bench_rm_step                                   # cpu preset, 12 batches
     python -m tools.bench_rm_step --batching post --steps 16        # the two batchings
+    python -m tools.bench_rm_step --precision bf16 --steps 16       # fp32 against bf16
     python -m tools.bench_rm_step --steps 20 -- --off-post-pairs 1024 --off-post-negatives 4
 
 The flags after `--` are reward_model.py's and choose the training pairs: people's
@@ -14,14 +16,19 @@ them; on each, the two ways run back to back, in alternating order, at the same 
 with its SE), the prompt tokens each way reads, and the largest loss difference between
 the two (they compute the same numbers). With --batching post it times --steps batches
 drawn from each batching instead, alternating, and prints seconds per comparison, their
-ratio, and the tokens each batching's whole epoch reads, padding included. Time it on an
-otherwise idle machine.
+ratio, and the tokens each batching's whole epoch reads, padding included. With
+--precision bf16 each batch runs in fp32 and under bf16 autocast (reward_model.py
+--precision bf16), alternating, and it prints seconds per step, the ratio (SE) and the
+largest loss difference. Time it on an otherwise idle machine.
 """
 import argparse
+import contextlib
 import math
 import random
 import statistics
 import time
+
+import torch
 
 import reward_model as rm
 from support import rm_data
@@ -108,6 +115,32 @@ def compare_batchings(model, optimizer, pairs, config, steps, seed):
           f"{epoch['post'] / epoch['length']:.2f}x")
 
 
+def compare_precisions(model, optimizer, batches, steps, seed):
+    """Seconds per step in fp32 and under bf16 autocast on the same `steps` batches drawn
+    at random, alternating which runs first, at the same weights (lr 0)."""
+    ways = {"fp32": contextlib.nullcontext,
+            "bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}
+    chosen = random.Random(seed).sample(batches, min(steps, len(batches)))
+    for way in ways.values():                                           # warm-up, each
+        with way():
+            rm.train_step(model, optimizer, chosen[0])
+    seconds, losses = {name: [] for name in ways}, {name: [] for name in ways}
+    for i, batch in enumerate(chosen):
+        for name in (("fp32", "bf16") if i % 2 == 0 else ("bf16", "fp32")):
+            start = time.perf_counter()
+            with ways[name]():
+                loss, _ = rm.train_step(model, optimizer, batch)
+            seconds[name].append(time.perf_counter() - start)
+            losses[name].append(loss)
+    ratios = [b / a for a, b in zip(seconds["fp32"], seconds["bf16"])]
+    se = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else math.nan
+    print(f"{len(batches)} batches; timed {len(chosen)}, each in both precisions, alternating")
+    for name in ways:
+        print(f"{name:6}{statistics.mean(seconds[name]):8.2f} s/step")
+    print(f"bf16 / fp32: {statistics.mean(ratios):.2f}x per step (SE {se:.2f}); largest "
+          f"loss difference {max(abs(a - b) for a, b in zip(*losses.values())):.1e}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="batches to time (default 12)")
@@ -115,9 +148,15 @@ def main():
     parser.add_argument("--batching", choices=("prompt", "post"), default="prompt",
                         help="prompt: a prompt read once per batch against once per pair "
                              "(default); post: --batching post against length")
+    parser.add_argument("--precision", choices=("bf16",),
+                        help="bf16: the step in fp32 against under bf16 autocast instead")
     parser.add_argument("rm_flags", nargs="*", help="reward_model.py's flags, after --")
     args = parser.parse_args()
     config, model, human, off_post, batches = training_batches(args.rm_flags, lr=0.0)
+    if args.precision:
+        compare_precisions(model, rm.make_optimizer(model, config), batches, args.steps,
+                           args.seed)
+        return
     if args.batching == "post":
         compare_batchings(model, rm.make_optimizer(model, config), human + off_post, config,
                           args.steps, args.seed)
