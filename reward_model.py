@@ -304,7 +304,7 @@ class RewardModel(nn.Module):
         """(R2) and (R3) at the last column where mask is 1. hidden (B, L, d) -> (B,)."""
         last = last_token_index(mask)            # (B,); ValueError if a row has no real token
         h_T = hidden[torch.arange(len(last), device=last.device), last]     # (B, d)
-        with loaders.heads_in_fp32(h_T):         # under --precision bf16 the body's ran in bf16
+        with loaders.heads_in_fp32(h_T):         # under --precision bf16 the body ran in bf16
             # (R2)  r(x, y) = w . h_T + b
             raw = self.head(h_T.float()).squeeze(-1)                        # (B,) fp32
         # (R3)  f_hat = f + bias       (bias stays 0 until training has finished)

@@ -334,8 +334,8 @@ def test_a_merged_step_takes_the_same_loss_and_gradient_as_an_unmerged_one():
 
 
 def bf16(on=True):
-    """--precision bf16's context (reward_model.main), on the CPU."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
+    """The context reward_model.main runs in with --precision bf16 (on) or fp32 (off)."""
+    return loaders.precision(rm.Config(precision="bf16" if on else "fp32"), "cpu")
 
 
 def test_under_bf16_the_head_reads_in_fp32_and_scores_stay_near_fp32s():

@@ -22,14 +22,13 @@ ratio, and the tokens each batching's whole epoch reads, padding included. With
 largest loss difference. Time it on an otherwise idle machine.
 """
 import argparse
-import contextlib
+import dataclasses
 import math
 import random
 import statistics
 import time
 
-import torch
-
+import loaders
 import reward_model as rm
 from support import rm_data
 
@@ -115,20 +114,20 @@ def compare_batchings(model, optimizer, pairs, config, steps, seed):
           f"{epoch['post'] / epoch['length']:.2f}x")
 
 
-def compare_precisions(model, optimizer, batches, steps, seed):
-    """Seconds per step in fp32 and under bf16 autocast on the same `steps` batches drawn
-    at random, alternating which runs first, at the same weights (lr 0)."""
-    ways = {"fp32": contextlib.nullcontext,
-            "bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}
+def compare_precisions(model, optimizer, batches, config, steps, seed):
+    """Seconds per step in fp32 and under bf16 autocast (`loaders.precision`, as
+    reward_model.py runs it) on the same `steps` batches drawn at random, alternating which
+    runs first, at the same weights (lr 0)."""
+    ways = {name: dataclasses.replace(config, precision=name) for name in ("fp32", "bf16")}
     chosen = random.Random(seed).sample(batches, min(steps, len(batches)))
     for way in ways.values():                                           # warm-up, each
-        with way():
+        with loaders.precision(way, "cpu"):
             rm.train_step(model, optimizer, chosen[0])
     seconds, losses = {name: [] for name in ways}, {name: [] for name in ways}
     for i, batch in enumerate(chosen):
         for name in (("fp32", "bf16") if i % 2 == 0 else ("bf16", "fp32")):
             start = time.perf_counter()
-            with ways[name]():
+            with loaders.precision(ways[name], "cpu"):
                 loss, _ = rm.train_step(model, optimizer, batch)
             seconds[name].append(time.perf_counter() - start)
             losses[name].append(loss)
@@ -154,8 +153,8 @@ def main():
     args = parser.parse_args()
     config, model, human, off_post, batches = training_batches(args.rm_flags, lr=0.0)
     if args.precision:
-        compare_precisions(model, rm.make_optimizer(model, config), batches, args.steps,
-                           args.seed)
+        compare_precisions(model, rm.make_optimizer(model, config), batches, config,
+                           args.steps, args.seed)
         return
     if args.batching == "post":
         compare_batchings(model, rm.make_optimizer(model, config), human + off_post, config,
