@@ -33,16 +33,15 @@ import signal
 import sys
 from datetime import timedelta
 
-# The scripts import this module before torch, for what torch and tqdm read as they load:
-# A rank other than 0 shows no progress bars: tqdm reads TQDM_DISABLE when it is imported
-# (torch imports it).
+# The scripts import this module before torch, for what tqdm reads as it loads: a rank
+# other than 0 shows no progress bars (tqdm reads TQDM_DISABLE when torch imports it).
 if int(os.environ.get("RANK", "0")) > 0:
     os.environ["TQDM_DISABLE"] = "1"
-# OpenMP threads that spin while they wait for each other lose ~10x on a shared 2-core
-# machine (measured: 40-70 s per reward-model step against 11 s, with two other busy
-# processes); threads that sleep cost nothing measurable on an idle one. Read as torch
-# loads OpenMP.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's threads keep its default: after a parallel op they spin a moment for the next
+# one, then sleep. Made to sleep at once (OMP_WAIT_POLICY=PASSIVE), a PPO iteration's median
+# took 1.7x as long and the reward model's step up to 2.2x on an idle 2-core Intel VM, the
+# same numbers (docs/speed.md). Where other busy processes share the cores, spinning costs
+# instead: set OMP_WAIT_POLICY=PASSIVE there (the tests do). torchrun: one thread a rank.
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -6,8 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Threads that spin while waiting lose ~10x when another process shares the 2 cores (the
-# scripts set this too, but here torch is imported before them). Before torch loads OpenMP.
+# The tests start scripts as processes beside this one: OpenMP threads that spin while
+# they wait would take the 2 cores from them (the scripts alone keep OpenMP's spinning
+# default: support/parallel.py). Read before torch loads OpenMP, and inherited by the scripts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
