@@ -37,7 +37,7 @@ from datetime import timedelta
 # other than 0 shows no progress bars (tqdm reads TQDM_DISABLE when torch imports it).
 if int(os.environ.get("RANK", "0")) > 0:
     os.environ["TQDM_DISABLE"] = "1"
-# OpenMP's threads keep its default: after a parallel op they spin a moment for the next
+# OpenMP's threads keep their default: after a parallel op they spin a moment for the next
 # one, then sleep. Made to sleep at once (OMP_WAIT_POLICY=PASSIVE), a PPO iteration's median
 # took 1.7x as long and the reward model's step up to 2.2x on an idle 2-core Intel VM, the
 # same numbers (docs/speed.md). Where other busy processes share the cores, spinning costs

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")        # no 3 s wait for an unreachable hub
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as conftest.py: cores shared
 
 import pytest
 import torch
