@@ -24,7 +24,7 @@ Departures from the post, each repeated at its line:
        or loss, and the score lands on that EOS (or the last token at the length limit).
     2. The reward model shares the policy's tokenizer and scores the sampled ids (the post
        decodes and re-encodes for its DeBERTa scorer).
-    3. Logits only at response positions, through a fused fp32 log-prob (kernels/) that
+    3. Logits only at response positions, through a fused fp32 log-prob (ppo_kernels/) that
        never holds (rows x V) log-probs; every log-prob divides by the temperature.
     4. Each iteration draws fresh prompts (the post reuses 16), long posts are cut at a
        paragraph or sentence, and the evaluation is on held-out posts, with standard errors
@@ -67,7 +67,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-import kernels
+import ppo_kernels
 import loaders
 import reward_model as rm
 from gae import (ESTIMATORS, GAMMA, LAM, AdaptiveKLController,
@@ -144,12 +144,12 @@ def token_log_probs(model, sequences, attention_mask, actions, temperature=1.0):
     """log p(a_t | s_t) for the ids actually sampled, (B, T) fp32.
 
     Departure 3: logits only at response positions, through the fused log-prob
-    (kernels/), divided by the temperature. The same path as `policy_forward`, so the
+    (ppo_kernels/), divided by the temperature. The same path as `policy_forward`, so the
     reference and a fresh policy agree to the last bit.
     """
     hidden = response_hidden(model, sequences, attention_mask, actions.shape[1])  # (B, T, H)
     with loaders.heads_in_fp32(hidden):
-        return kernels.gather_log_probs_from_hidden(hidden.float(), model.lm_head.weight,
+        return ppo_kernels.gather_log_probs_from_hidden(hidden.float(), model.lm_head.weight,
                                                     actions, temperature)    # (B, T)
 
 
@@ -239,7 +239,7 @@ def policy_forward(policy, value_head, sequences, attention_mask, actions, tempe
     hidden = response_hidden(policy, sequences, attention_mask, actions.shape[1])  # (B, T, H)
     with loaders.heads_in_fp32(hidden):
         hidden = hidden.float()                                 # (B, T, H)
-        out = kernels.gather_log_probs_from_hidden(hidden, policy.lm_head.weight, actions,
+        out = ppo_kernels.gather_log_probs_from_hidden(hidden, policy.lm_head.weight, actions,
                                                    temperature, return_entropy=with_entropy)
         logp, entropy = out if with_entropy else (out, None)    # (B, T) each
         values = value_head(hidden) if value_head else None     # (B, T); none without a head
@@ -286,7 +286,7 @@ def ppo_losses(logp, logp_old, adv, values, ret, *, mask, clip=CLIP, entropy=Non
     # (9)  J_clip = E_t[min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t)]
     # (10) L_policy = -J_clip     summed over real tokens, averaged over sequences, as the
     #      post's `-clipped.sum(-1).mean()` (departure 1: padding masked out)
-    policy_loss, stats = kernels.masked_clipped_loss(logp, logp_old, adv, mask, clip)
+    policy_loss, stats = ppo_kernels.masked_clipped_loss(logp, logp_old, adv, mask, clip)
     policy_loss = policy_loss * (b / n_seq)                     # this micro-batch's share
     value_loss = torch.zeros((), device=logp.device)
     if values is not None:

@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Triton reads TRITON_INTERPRET when a kernel is defined (at `import kernels`), so it is set
+# Triton reads TRITON_INTERPRET when a kernel is defined (at `import ppo_kernels`), so it is set
 # here, before any test module imports them. Without CUDA the kernels run under Triton's
 # interpreter on CPU tensors; with CUDA they are compiled and run on the GPU, as in training
 # (tests/test_kernels.py then runs the interpreted CPU cases in a fresh process).

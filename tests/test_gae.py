@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gae
-import kernels
+import ppo_kernels
 
 from gae import (GAMMA, LAM, AdaptiveKLController, advantages_and_returns,
                  kl_per_token, last_token_index, masked_mean, response_mask,
@@ -280,7 +280,7 @@ def test_rloo_with_two_samples_is_the_notes_contrastive_form():
     assert objective.item() == pytest.approx(0.5 * (adv * seq_logp).sum().item())
     assert objective.item() == pytest.approx(0.5 * 3.0 * (seq_logp[0] - seq_logp[1]).item())
     expected = torch.autograd.grad(-objective, logp)[0]                # (2, T)
-    loss, _ = kernels.masked_clipped_loss(logp.float(), logp.detach().float(),
+    loss, _ = ppo_kernels.masked_clipped_loss(logp.float(), logp.detach().float(),
                                           gae.spread_over_tokens(adv, mask).float(),
                                           mask.float(), 0.2)
     got = torch.autograd.grad(loss, logp)[0]                           # ratio exactly 1

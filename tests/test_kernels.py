@@ -1,4 +1,4 @@
-"""Tests for kernels/: every path (the Triton kernels, the PyTorch fallback, the fused linear +
+"""Tests for ppo_kernels/: every path (the Triton kernels, the PyTorch fallback, the fused linear +
 log-prob) against a float64 oracle written plainly below, forward and backward with a random
 upstream gradient, on every device this machine has: the CPU always (Triton under its
 interpreter, TRITON_INTERPRET=1), and CUDA when there is one (Triton compiled, as in training;
@@ -24,8 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import kernels  # noqa: E402
-from kernels import fused_linear, logprob  # noqa: E402
+import ppo_kernels  # noqa: E402
+from ppo_kernels import fused_linear, logprob  # noqa: E402
 
 # Triton on CPU tensors needs the interpreter; compiled Triton (CUDA) needs it off. When this
 # process has it off, test_triton_cases_in_a_fresh_process below runs the CPU cases with it on.
@@ -47,11 +47,11 @@ def case(device, backend):
 def backend(request):
     """The backend's name; every tensor a test makes lands on the case's device."""
     device, name = request.param
-    previous = kernels.set_backend(name)
+    previous = ppo_kernels.set_backend(name)
     torch.set_default_device(device)
     yield name
     torch.set_default_device("cpu")
-    kernels.set_backend(previous)
+    ppo_kernels.set_backend(previous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def check_log_probs(fn, logits, actions, temperature=1.0, value_tol=2e-5, grad_r
 
 
 def via_logits(x, a, t):
-    return kernels.gather_log_probs(x, a, t, return_entropy=True)
+    return ppo_kernels.gather_log_probs(x, a, t, return_entropy=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_minus_inf_except_target(backend):
     logits = torch.full((3, V), float("-inf"))
     logits[torch.arange(3), actions] = torch.tensor([5.0, -3.0, 1e4])
     logits.requires_grad_()
-    logp, entropy = kernels.gather_log_probs(logits, actions, return_entropy=True)
+    logp, entropy = ppo_kernels.gather_log_probs(logits, actions, return_entropy=True)
     assert logp.tolist() == [0.0, 0.0, 0.0] and entropy.tolist() == [0.0, 0.0, 0.0]
     (logp.sum() + entropy.sum()).backward()
     assert torch.equal(logits.grad, torch.zeros_like(logits))
@@ -170,18 +170,18 @@ def test_logp_alone_and_temperature_semantics(backend):
     """Without return_entropy: one tensor, equal to the post's expression on logits / T."""
     torch.manual_seed(4)
     logits, actions = torch.randn(2, 3, 50), torch.randint(0, 50, (2, 3))
-    logp = kernels.gather_log_probs(logits, actions, temperature=0.7)
+    logp = ppo_kernels.gather_log_probs(logits, actions, temperature=0.7)
     post = torch.log_softmax(logits / 0.7, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logp, post, rtol=0, atol=1e-6)
 
 
 def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="disagree"):
-        kernels.gather_log_probs(torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+        ppo_kernels.gather_log_probs(torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="integer"):
-        kernels.gather_log_probs(torch.randn(2, 5), torch.zeros(2))
+        ppo_kernels.gather_log_probs(torch.randn(2, 5), torch.zeros(2))
     with pytest.raises(TypeError, match="float32"):
-        kernels.gather_log_probs(torch.randn(2, 5).double(), torch.zeros(2, dtype=torch.long))
+        ppo_kernels.gather_log_probs(torch.randn(2, 5).double(), torch.zeros(2, dtype=torch.long))
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (7, 1)])
@@ -192,7 +192,7 @@ def test_fallback_blocks(monkeypatch, shape, dtype, temperature):
     through the reused fp32 buffers."""
     V = 301
     monkeypatch.setattr(logprob, "BLOCK_ELEMENTS", 3 * V)
-    previous = kernels.set_backend("torch")
+    previous = ppo_kernels.set_backend("torch")
     try:
         torch.manual_seed(9)
         logits = (3 * torch.randn(*shape, V)).to(dtype)
@@ -200,7 +200,7 @@ def test_fallback_blocks(monkeypatch, shape, dtype, temperature):
         rtol = 0.0 if dtype == torch.float32 else 2**-7
         check_log_probs(via_logits, logits, actions, temperature, grad_rtol=rtol, grad_atol=1e-6)
     finally:
-        kernels.set_backend(previous)
+        ppo_kernels.set_backend(previous)
 
 
 @pytest.mark.skipif(not TRITON_HERE, reason="needs triton under TRITON_INTERPRET=1")
@@ -214,12 +214,12 @@ def test_triton_matches_the_fallback():
     g_logp, g_ent = torch.randn(2, 3), torch.randn(2, 3)
     results = []
     for name in ("torch", "triton"):
-        previous = kernels.set_backend(name)
+        previous = ppo_kernels.set_backend(name)
         x = logits.clone().requires_grad_()
-        logp, entropy = kernels.gather_log_probs(x, actions, 0.7, return_entropy=True)
+        logp, entropy = ppo_kernels.gather_log_probs(x, actions, 0.7, return_entropy=True)
         ((logp * g_logp).sum() + (entropy * g_ent).sum()).backward()
         results.append((logp, entropy, x.grad))
-        kernels.set_backend(previous)
+        ppo_kernels.set_backend(previous)
     for ours, reference in zip(*results):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
@@ -229,7 +229,7 @@ def test_triton_matches_the_fallback():
 # ---------------------------------------------------------------------------------------------
 def via_hidden(weight):
     def fn(hidden, actions, temperature):
-        return kernels.gather_log_probs_from_hidden(hidden, weight, actions, temperature,
+        return ppo_kernels.gather_log_probs_from_hidden(hidden, weight, actions, temperature,
                                                     return_entropy=True)
     return fn
 
@@ -273,7 +273,7 @@ def test_hidden_frozen_head_and_bf16(backend):
     weight = (torch.randn(V, H) / math.sqrt(H)).bfloat16()
     hidden = torch.randn(3, 4, H).bfloat16().requires_grad_()
     actions = torch.randint(0, V, (3, 4))
-    logp = kernels.gather_log_probs_from_hidden(hidden, weight, actions)
+    logp = ppo_kernels.gather_log_probs_from_hidden(hidden, weight, actions)
     g = torch.randn_like(logp)
     (logp * g).sum().backward()
     h64 = hidden.detach().double().requires_grad_()
@@ -295,7 +295,7 @@ def test_fused_linear_equals_the_naive_path_on_cuda(V):
     actions = torch.randint(0, V, (64,), device="cuda")
     g = torch.randn(64, device="cuda")
     h = hidden.clone().requires_grad_()
-    logp = kernels.gather_log_probs_from_hidden(h, weight, actions)
+    logp = ppo_kernels.gather_log_probs_from_hidden(h, weight, actions)
     (grad,) = torch.autograd.grad((logp * g).sum(), h)
     h_naive = hidden.clone().requires_grad_()
     naive = torch.log_softmax(h_naive @ weight.T, -1).gather(-1, actions[:, None]).squeeze(-1)
@@ -320,13 +320,13 @@ def test_many_rows_do_not_overflow_the_grid():
     adv, mask = torch.randn(rows, 1, device="cuda"), torch.ones(rows, 1, device="cuda")
     out = {}
     for name in ("torch", "triton"):
-        previous = kernels.set_backend(name)
+        previous = ppo_kernels.set_backend(name)
         try:
-            out[name] = (*kernels.gather_log_probs(logits, actions, return_entropy=True),
-                         kernels.gather_log_probs_from_hidden(hidden, weight, actions),
-                         kernels.masked_clipped_loss(logp, logp_old, adv, mask)[0])
+            out[name] = (*ppo_kernels.gather_log_probs(logits, actions, return_entropy=True),
+                         ppo_kernels.gather_log_probs_from_hidden(hidden, weight, actions),
+                         ppo_kernels.masked_clipped_loss(logp, logp_old, adv, mask)[0])
         finally:
-            kernels.set_backend(previous)
+            ppo_kernels.set_backend(previous)
     for ours, reference in zip(out["triton"], out["torch"]):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
@@ -340,7 +340,7 @@ def test_clip_worked_example(backend, advantage, objective, grad):
     A = -2: min(-3.0, -2.4) = -3.0 and dJ/dlogp = rho A = -3.0, the clip does not hold back."""
     logp = torch.tensor([[math.log(0.30)]], requires_grad=True)   # pi_theta = 0.30
     logp_old = torch.tensor([[math.log(0.20)]])                   # pi_old = 0.20
-    loss, stats = kernels.masked_clipped_loss(logp, logp_old, torch.tensor([[advantage]]),
+    loss, stats = ppo_kernels.masked_clipped_loss(logp, logp_old, torch.tensor([[advantage]]),
                                               torch.ones(1, 1), clip=0.2)
     loss.backward()
     assert loss.item() == pytest.approx(-objective, abs=1e-6)     # (10) L = -J
@@ -357,7 +357,7 @@ def test_clipped_loss_matches_float64(backend):
     adv = torch.randn(B, T)
     lengths = torch.tensor([37, 20, 1, 9])                          # ragged responses
     mask = (torch.arange(T) < lengths[:, None]).float()
-    loss, stats = kernels.masked_clipped_loss(logp, logp_old, adv, mask, clip=0.2)
+    loss, stats = ppo_kernels.masked_clipped_loss(logp, logp_old, adv, mask, clip=0.2)
     upstream = torch.randn(())
     (grad,) = torch.autograd.grad(loss * upstream, logp)
 
@@ -382,8 +382,8 @@ def test_masked_tokens_contribute_nothing(backend):
     dirty = clean.masked_fill(mask == 0, float("nan")).requires_grad_()
     bad_adv = adv.masked_fill(mask == 0, float("inf"))
     clean = clean.masked_fill(mask == 0, 0.0).requires_grad_()
-    loss_a, stats_a = kernels.masked_clipped_loss(clean, logp_old, adv, mask)
-    loss_b, stats_b = kernels.masked_clipped_loss(dirty, logp_old, bad_adv, mask.bool())
+    loss_a, stats_a = ppo_kernels.masked_clipped_loss(clean, logp_old, adv, mask)
+    loss_b, stats_b = ppo_kernels.masked_clipped_loss(dirty, logp_old, bad_adv, mask.bool())
     loss_a.backward()
     loss_b.backward()
     assert loss_a.item() == loss_b.item() and torch.isfinite(loss_a)
@@ -392,7 +392,7 @@ def test_masked_tokens_contribute_nothing(backend):
     assert stats_a["approx_kl"].item() == stats_b["approx_kl"].item()
 
     nothing = clean.detach().clone().requires_grad_()
-    loss, stats = kernels.masked_clipped_loss(nothing, logp_old, adv, torch.zeros(2, 6))
+    loss, stats = ppo_kernels.masked_clipped_loss(nothing, logp_old, adv, torch.zeros(2, 6))
     loss.backward()
     assert loss.item() == 0.0 and stats["clipfrac"].item() == 0.0
     assert stats["approx_kl"].item() == 0.0 and (nothing.grad == 0).all()
@@ -402,18 +402,18 @@ def test_masked_tokens_contribute_nothing(backend):
 # Backend selection
 # ---------------------------------------------------------------------------------------------
 def test_set_backend():
-    previous = kernels.set_backend("auto")
+    previous = ppo_kernels.set_backend("auto")
     try:
-        assert kernels._resolve(torch.zeros(1)) == "torch"        # CPU tensors: the fallback
+        assert ppo_kernels._resolve(torch.zeros(1)) == "torch"        # CPU tensors: the fallback
         with pytest.raises(ValueError, match="one of"):
-            kernels.set_backend("cuda")
-        assert kernels.set_backend("torch") == "auto"
+            ppo_kernels.set_backend("cuda")
+        assert ppo_kernels.set_backend("torch") == "auto"
     finally:
-        kernels.set_backend(previous)
+        ppo_kernels.set_backend(previous)
 
 
 def test_backend_environment_variable():
-    code = "import kernels; print(kernels._backend)"
+    code = "import ppo_kernels; print(ppo_kernels._backend)"
     env = dict(os.environ, RLHF_KERNELS_BACKEND="torch")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)

@@ -8,13 +8,13 @@ gradient dL/dlogp (what PPO's loss sends back):
 
     naive         the post's `torch.log_softmax(logits, -1).gather(-1, a[..., None]).squeeze(-1)`
                   with autograd; input: logits (rows, V)
-    fallback      kernels.gather_log_probs on the PyTorch backend; same input
-    triton        kernels.gather_log_probs on the Triton backend (CUDA only); same input
+    fallback      ppo_kernels.gather_log_probs on the PyTorch backend; same input
+    triton        ppo_kernels.gather_log_probs on the Triton backend (CUDA only); same input
     naive-linear  the post's path from the last hidden state: logits = hidden @ W^T, then the
                   expression above; input: hidden (rows, 576) and a frozen W (V, 576), SmolLM2's
                   width; the gradient goes to hidden
-    fused-linear  kernels.gather_log_probs_from_hidden; same input as naive-linear (W frozen, as
-                  ppo.py's lm_head is: route 1 of kernels/fused_linear.py)
+    fused-linear  ppo_kernels.gather_log_probs_from_hidden; same input as naive-linear (W frozen, as
+                  ppo.py's lm_head is: route 1 of ppo_kernels/fused_linear.py)
     compiled, compiled-linear    torch.compile of naive and of naive-linear (CUDA only: what a
                   reader would try first; compiled in the warm-up, outside the clock)
     liger, liger-linear          Liger-Kernel's cross-entropy and fused linear cross-entropy with
@@ -60,7 +60,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent        # the repository root
 
-import kernels  # noqa: E402
+import ppo_kernels  # noqa: E402
 
 HIDDEN = 576                            # SmolLM2-135M's hidden width
 COMPARATOR = {"naive": "naive", "fallback": "naive", "triton": "naive", "compiled": "naive",
@@ -108,7 +108,7 @@ def run_path(path, inputs):
     elif path == "naive-linear":
         logp = naive_linear(*inputs)
     elif path == "fused-linear":
-        logp = kernels.gather_log_probs_from_hidden(*inputs)
+        logp = ppo_kernels.gather_log_probs_from_hidden(*inputs)
     elif path == "compiled":
         logp = compiled(naive)(*inputs)
     elif path == "compiled-linear":
@@ -121,8 +121,8 @@ def run_path(path, inputs):
         hidden, weight, actions = inputs
         logp = -liger_fused_linear_cross_entropy(hidden, weight, actions, reduction="none")
     else:
-        kernels.set_backend("torch" if path == "fallback" else "triton")
-        logp = kernels.gather_log_probs(*inputs)
+        ppo_kernels.set_backend("torch" if path == "fallback" else "triton")
+        logp = ppo_kernels.gather_log_probs(*inputs)
     upstream = torch.randn(logp.shape, device=logp.device)
     logp.backward(upstream)
     inputs[0].grad = None

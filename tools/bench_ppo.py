@@ -4,7 +4,7 @@ The post's listing runs the whole model over prompt + response, keeps every hidd
 state (`output_hidden_states=True`), computes logits at all ~300 positions and a
 full-vocabulary `log_softmax` on them, in the old, reference and inner-step passes.
 ppo.py computes the last hidden state only, projects just the T response positions,
-and gathers log-probs with the fused op from kernels/ (no (rows x V) log-prob tensor,
+and gathers log-probs with the fused op from ppo_kernels/ (no (rows x V) log-prob tensor,
 recomputed in backward), optionally in micro-batches.
 
 Both variants run the same ppo.train loop at the blog preset (BATCH 16, PROMPT_TOKENS

@@ -44,7 +44,7 @@ Departures from the post, stated once:
 Layout of this file (the house layout for kernels): the PyTorch reference, which is also the
 CPU/MPS fallback and what the tests check Triton against; the two @triton.jit kernels; the
 launchers; the torch.autograd.Function; the one public function, `gather_log_probs`. Backend
-choice is not made here but in `kernels/__init__.py`.
+choice is not made here but in `ppo_kernels/__init__.py`.
 
 Background: the online softmax normaliser is from Milakov & Gimelshein, "Online normalizer
 calculation for softmax" (arXiv:1805.02867, section 3); FlashAttention (arXiv:2205.14135,
@@ -291,7 +291,7 @@ def require_triton(x):
         raise RuntimeError("the Triton backend needs `pip install triton`; or set_backend('torch')")
     if not x.is_cuda and not INTERPRET:
         raise RuntimeError("Triton kernels need CUDA tensors; to run them on the CPU (slowly, for "
-                           "tests) set TRITON_INTERPRET=1 before `import kernels`")
+                           "tests) set TRITON_INTERPRET=1 before `import ppo_kernels`")
 
 
 def _launch_setup(x, a):
@@ -376,7 +376,7 @@ def gather_log_probs(logits, actions, temperature=1.0, return_entropy=False, bac
     also the entropy of each row's distribution, (...). Differentiable in logits through both.
 
     logits (..., V) fp32/bf16/fp16, actions (...) integer ids in [0, V). `backend` is "torch" or
-    "triton"; `kernels.gather_log_probs` picks it for you (see kernels/__init__.py).
+    "triton"; `ppo_kernels.gather_log_probs` picks it for you (see ppo_kernels/__init__.py).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")

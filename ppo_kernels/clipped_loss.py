@@ -154,7 +154,7 @@ def masked_clipped_loss(logp, logp_old, adv, mask, clip=0.2, backend="torch"):
     logp, logp_old, adv, mask: (B, T) (or (..., T): every leading index is a sequence); mask is 1
     (or True) for real tokens. Differentiable in logp only. Returns (loss, stats), loss a 0-d
     fp32 tensor = -(1/B) sum_{b,t} mask J, stats two detached 0-d fp32 tensors. `backend` is
-    "torch" or "triton"; `kernels.masked_clipped_loss` picks it for you.
+    "torch" or "triton"; `ppo_kernels.masked_clipped_loss` picks it for you.
     """
     shapes = {tuple(t.shape) for t in (logp, logp_old, adv, mask)}
     if len(shapes) != 1 or logp.ndim == 0:

@@ -10,7 +10,7 @@ W of shape (V, H), tied to the embeddings in SmolLM2):
     H_t  = -sum_j p_j log p_j           optional, for the entropy bonus (12)
 
 Here the rows are cut into chunks of about CHUNK_ELEMENTS logits, and each chunk's logits live
-only while that chunk is processed: form them, run the log-prob forward of kernels/logprob.py on
+only while that chunk is processed: form them, run the log-prob forward of ppo_kernels/logprob.py on
 them (Triton or PyTorch, whichever backend is chosen), keep logp, lse and H. The gradient takes
 one of two routes, depending on whether the lm_head is trained:
 
@@ -39,7 +39,7 @@ The same chunked recomputation is in Liger-Kernel's fused linear cross-entropy (
 arXiv:2410.10989, section 3.2), there for a scalar loss; here the loss is any function of the
 per-token log-probs, which is what PPO needs.
 
-Departures from the post: those of kernels/logprob.py (fp32 log-probs, a temperature divisor,
+Departures from the post: those of ppo_kernels/logprob.py (fp32 log-probs, a temperature divisor,
 optional entropy). An lm_head bias is not supported (SmolLM2 and Qwen2 have none).
 
 Test: python -m pytest -q tests/test_kernels.py -k hidden

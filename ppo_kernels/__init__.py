@@ -1,20 +1,20 @@
-"""kernels: fused ops for the PPO step, each a Triton kernel with a PyTorch fallback.
+"""ppo_kernels: fused ops for the PPO step, each a Triton kernel with a PyTorch fallback.
 
     gather_log_probs(logits, actions, temperature=1.0, return_entropy=False)
         log softmax(logits / temperature) at actions, fp32: the post's `token_log_probs` without
-        the (rows, V) log-prob tensor. (kernels/logprob.py)
+        the (rows, V) log-prob tensor. (ppo_kernels/logprob.py)
     gather_log_probs_from_hidden(hidden, lm_head_weight, actions, temperature=1.0,
                                  return_entropy=False)
         the same from the last hidden state, never holding the (rows, V) logits; what ppo.py's
-        training forward uses on every backend. (kernels/fused_linear.py)
+        training forward uses on every backend. (ppo_kernels/fused_linear.py)
     masked_clipped_loss(logp, logp_old, adv, mask, clip=0.2) -> (loss, {"clipfrac", "approx_kl"})
         eq. (8)-(10) over real tokens, summed over tokens and averaged over sequences as the
-        post's `ppo_losses` does. (kernels/clipped_loss.py)
+        post's `ppo_losses` does. (ppo_kernels/clipped_loss.py)
     set_backend("auto" | "triton" | "torch") -> the previous backend name
 
 The backend is chosen here and nowhere else. "auto" (the default) runs the Triton kernels on CUDA
 tensors and the PyTorch fallback everywhere else (CPU, MPS); "triton" forces the kernels (on the
-CPU they then need TRITON_INTERPRET=1 set before `import kernels`, which is how the tests run
+CPU they then need TRITON_INTERPRET=1 set before `import ppo_kernels`, which is how the tests run
 them); "torch" forces the fallback. The environment variable RLHF_KERNELS_BACKEND sets the
 starting value. Both paths compute the same quantities with fp32 accumulation and are tested
 against one float64 oracle, so switching backend never changes what a function means.
