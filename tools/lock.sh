@@ -20,7 +20,7 @@ python -m pip install --quiet -r requirements.txt "$@"
     echo "# Exact versions for the README's install line: CPU Linux x86-64, $(python -c 'import sys; print("Python %d.%d" % sys.version_info[:2])')."
     echo "# Made by: bash tools/lock.sh $*"
     echo "# requirements.txt keeps the ranges; docs/dependencies.md says how to refresh this file."
-    python -m pip freeze --exclude-editable \
+    python -m pip freeze --all --exclude-editable --exclude pip \
         | sed -E -e 's/^(torch==[^+]*)\+.*/\1/' \
                  -e 's/^(triton==.*)$/\1; sys_platform == "linux"/'
 } > requirements-lock.txt
