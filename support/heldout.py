@@ -32,7 +32,7 @@ import loaders
 import reward_model as rm
 from support.measures import copied_bigrams, per_post, standard_error, summarize
 from support.quality import (asks_for_help, ends_with_question, paired_difference,
-                             retrieval_ranks, rouge_l, samples_page)
+                             retrieval_ranks, rouge_l, samples_page, words)
 from support import cli, parallel
 from support.disk import write_json, write_text
 from support.report import (load_baseline, plot_curves, print_gain, print_row,
@@ -56,6 +56,19 @@ def outside_measures(samples, held_out, reward, tokenizer, written=False, human=
     ends in "?" or asks for help. samples: [{text, ids (EOS included if it ended)}], or
     with `written` [{text}], tokenized as the judge trained on them; `human`: they are the
     human TL;DRs."""
+    gaps = relevance_gaps(samples, held_out, reward, tokenizer, written) if reward else None
+    ranks = retrieval_ranks([s["text"] for s in samples],
+                            [f"{p['title']}\n{p['post']}" for p in held_out])
+    for i, (s, post, rank) in enumerate(zip(samples, held_out, ranks)):
+        s.update(rouge_l=None if human else rouge_l(s["text"], post["summary"]),
+                 retrieval_rank=rank, relevance_gap=None if gaps is None else gaps[i],
+                 question=ends_with_question(s["text"]), asks_help=asks_for_help(s["text"]))
+    return samples
+
+
+def relevance_gaps(samples, held_out, reward, tokenizer, written=False):
+    """f(x_i, y_i) - f(x_{i+1}, y_i) of each sample, a list: the judge's content score under
+    its own post minus under the next held-out post (outside_measures)."""
     eos = tokenizer.eos_token_id
     cut = reward.settings["max_summary_tokens"]
     prompts = [tokenizer(p["prompt"]).input_ids for p in held_out]
@@ -65,30 +78,26 @@ def outside_measures(samples, held_out, reward, tokenizer, written=False, human=
     # home already: a gap of two differently computed numbers would carry their noise.
     home = rm.score_grouped(reward, prompts, ids)                            # (n,)
     away = rm.score_grouped(reward, prompts[1:] + prompts[:1], ids)          # (n,)
-    ranks = retrieval_ranks([s["text"] for s in samples],
-                            [f"{p['title']}\n{p['post']}" for p in held_out])
-    for s, post, rank, h, a in zip(samples, held_out, ranks, home.tolist(), away.tolist()):
-        s.update(rouge_l=None if human else rouge_l(s["text"], post["summary"]),
-                 retrieval_rank=rank, relevance_gap=h - a,
-                 question=ends_with_question(s["text"]), asks_help=asks_for_help(s["text"]))
-    return samples
+    return (home - away).tolist()
 
 
 def outside_summary(samples, ref_samples=None):
     """Means of outside_measures over the posts; with ref_samples, the paired gains over the
     reference's (policy minus reference on the same post, with their SEs)."""
     mean = lambda key: sum(s[key] for s in samples) / len(samples)  # noqa: E731
+    judged = samples[0]["relevance_gap"] is not None            # no judge: no relevance gap
     out = {"retrieval_top1": sum(s["retrieval_rank"] == 1 for s in samples) / len(samples),
            "retrieval_mrr": sum(1 / s["retrieval_rank"] for s in samples) / len(samples),
-           "relevance_gap": mean("relevance_gap"),
-           "relevance_gap_se": standard_error([s["relevance_gap"] for s in samples]),
+           **({"relevance_gap": mean("relevance_gap"),
+               "relevance_gap_se": standard_error([s["relevance_gap"] for s in samples])}
+              if judged else {}),
            "question_fraction": mean("question"), "asks_for_help": mean("asks_help")}
     if samples[0]["rouge_l"] is not None:
         out["rouge_l"] = mean("rouge_l")
     if ref_samples is not None:
         for key, of in (("rouge_l", lambda s: s["rouge_l"]),
                         ("retrieval_mrr", lambda s: 1 / s["retrieval_rank"]),
-                        ("relevance_gap", lambda s: s["relevance_gap"])):
+                        *((("relevance_gap", lambda s: s["relevance_gap"]),) if judged else ())):
             out[f"{key}_gain_over_ref"], out[f"{key}_gain_over_ref_se"] = paired_difference(
                 [of(s) for s in samples], [of(s) for s in ref_samples])
     return out
@@ -239,6 +248,53 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
         print_samples([s for s, _ in ranked], [p for _, p in ranked],
                       "beta=0: the highest-reward samples (watch KL and length)")
     print(f"results in {run_dir}/results.json, curves in {run_dir}/curves.png")
+
+
+def sft_rows(start, sft, reward, tokenizer, held_out, cfg, device, rollouts):
+    """sft.py's held-out rows: the model SFT started from and the SFT model, each sampled once
+    per post as ppo.py samples its reference (the same seed), with the judge's reward where
+    there is a judge (`reward` None: none), the measures it never saw, words, the share
+    that end by themselves, copying and the KL to the start; the SFT row also carries its
+    gains over the start, paired by post. Returns ({"start", "sft"}: row, {same}: samples)."""
+    keys = ("length", "eos", "copied_bigrams", "kl", "text", *OUTSIDE)
+    drawn = {}
+    for name, model in (("start", start), ("sft", sft)):
+        torch.manual_seed(10_000)                       # as reference_and_human seeds it
+        drawn[name] = rollouts(model, start, reward, tokenizer, held_out, cfg, device)
+        with loaders.precision(cfg, device):
+            outside_measures(drawn[name], held_out, reward, tokenizer)
+    ref = drawn["start"]
+    rows = {"start": {**sample_row(ref), **outside_summary(ref)},
+            "sft": {**sample_row(drawn["sft"]), **outside_summary(drawn["sft"], ref)}}
+    return rows, {"start": per_post(ref, keys), "sft": per_post(drawn["sft"], keys, ref)}
+
+
+def sample_row(samples):
+    """Means over sampled summaries: the judge's reward ± SE (where it scored them), words,
+    tokens, the share ending by themselves, copying, fluency and KL (summarize's, judge
+    optional)."""
+    mean = lambda key: sum(s[key] for s in samples) / len(samples)  # noqa: E731
+    row = ({"reward": mean("reward"), "reward_se": standard_error([s["reward"] for s in samples])}
+           if samples[0]["reward"] is not None else {"reward": None})
+    return {**row, "words": sum(len(words(s["text"])) for s in samples) / len(samples),
+            "length": mean("length"), "eos_fraction": mean("eos"),
+            "copied_bigrams": mean("copied_bigrams"), "fluency": mean("fluency"),
+            "kl": mean("kl")}
+
+
+def write_sft_page(samples, held_out, title, path):
+    """sft.py's samples.html: per held-out post, the post, the human TL;DR, the start's sample
+    and the SFT model's, with their rewards (where judged), lengths, ROUGE-L and ranks."""
+    rows = []
+    for post, start, mine in zip(held_out, samples["start"], samples["sft"]):
+        rows.append({"post": post["prompt"], "human": post["summary"], "reference": start["text"],
+                     "policy": mine["text"], "policy_reward": mine["reward"],
+                     "reference_reward": start["reward"], "policy_length": mine["length"],
+                     "reference_length": start["length"], "policy_rouge_l": mine["rouge_l"],
+                     "reference_rouge_l": start["rouge_l"], "policy_rank": mine["retrieval_rank"],
+                     "reference_rank": start["retrieval_rank"]})
+    write_text(path, samples_page(rows, title, labels={"reference": "start (SmolLM2)",
+                                                       "policy": "SFT"}))
 
 
 def write_samples_page(final, held_out, title, path):

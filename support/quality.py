@@ -276,7 +276,7 @@ def _row_html(i, row, texts, numbers):
     return "<tr>" + "".join(cells) + "</tr>"
 
 
-def samples_page(rows, title):
+def samples_page(rows, title, labels=None):
     """A complete static HTML page (str) of held-out samples, one table row per post.
 
     rows: list of dicts with texts "post", "human", "reference", "policy", optionally
@@ -284,13 +284,14 @@ def samples_page(rows, title):
     NUMBERS (each may be missing or None: shown as an em dash). "#" is the row's index in
     `rows`. Rows are ordered by policy_reward, highest first, rows without one last; a
     click on a column header re-sorts (plain inline JavaScript, optional). Every text is
-    escaped with html.escape.
+    escaped with html.escape. `labels` renames text columns ({"policy": "SFT"}).
     """
     def by_reward(i):                                   # highest first, missing last
         x = _number(rows[i], "policy_reward")
         return (x is None, -x if x is not None else 0.0)
     order = sorted(range(len(rows)), key=by_reward)
-    texts = {"human": "human TL;DR", "reference": "reference", "policy": "policy"}
+    texts = {"human": "human TL;DR", "reference": "reference", "policy": "policy",
+             **(labels or {})}                          # sft.py: start and SFT
     numbers = NUMBERS
     if any(row.get("openai_1b") for row in rows):        # the data's 1.3B PPO summaries
         texts["openai_1b"] = "OpenAI 1.3B PPO"

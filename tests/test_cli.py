@@ -24,11 +24,13 @@ from support import cli
 import loaders
 import ppo
 import reward_model as rm
+import sft
 from test_reward_model import tiny_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PPO = "ppo --preset tiny --reward-model {w}/rm --out {w}/out"
 RM = "rm --preset tiny --out {w}/out"
+SFT = "sft --preset tiny --out {w}/out"
 
 # (invocation, what the last line must name). {w} is the `world` folder below.
 CASES = [
@@ -93,8 +95,24 @@ CASES = [
     (f"{RM} --lora-layers 99", "--lora-layers"),
     (f"{RM} --max-prompt-tokens 24", "--max-prompt-tokens"),       # every title too long
     (f"{RM} --min-heldout-pairs 100000", "--min-heldout-pairs"),
+    # sft.py
+    (f"{SFT} --steps 0", "--steps"),
+    (f"{SFT} --batch 0", "--batch"),
+    (f"{SFT} --micro-batch 0", "--micro-batch"),
+    (f"{SFT} --lr 0", "--lr"),
+    (f"{SFT} --schedule cosine", "--schedule"),
+    (f"{SFT} --prompt-tokens 10", "--prompt-tokens"),
+    (f"{SFT} --eval-prompts 300", "--eval-prompts"),
+    (f"{SFT} --eval-every 0", "--eval-every"),
+    (f"{SFT} --max-new-tokens 0", "--max-new-tokens"),
+    (f"{SFT} --out {{w}}/a_file", "a_file"),
+    (f"{SFT} --data-dir {{w}}/missing", "--data-dir"),
+    (f"{SFT} --model ./no_such_model", "--model"),
+    (f"{SFT} --data-dir {{w}}/empty", "empty"),
+    (f"{SFT} --data-dir {{w}}/small --eval-prompts 40", "--eval-prompts"),
+    (f"{SFT} --reward-model {{w}}/rm_bad_head", "head.safetensors"),
 ]
-MAINS = {"ppo": ppo.main, "rm": rm.main}
+MAINS = {"ppo": ppo.main, "rm": rm.main, "sft": sft.main}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +170,7 @@ def invoke(main, argv, capsys):
 def test_the_table_covers_both_scripts_and_enough_cases():
     scripts = [case.split()[0] for case, _ in CASES]
     assert len(CASES) >= 25 and scripts.count("ppo") >= 10 and scripts.count("rm") >= 10
+    assert scripts.count("sft") >= 10
 
 
 @pytest.mark.parametrize("case, names", CASES, ids=[c for c, _ in CASES])
@@ -209,6 +228,7 @@ def test_every_default_and_preset_passes_its_own_checks():
     for preset in ("blog", "cpu", "tiny"):
         ppo.parse_args(["--preset", preset])
         rm.parse_config(["--preset", preset])
+        sft.parse_args(["--preset", preset])
 
 
 def test_new_folders_removes_only_what_a_failed_run_made(tmp_path):
@@ -326,6 +346,7 @@ def test_no_data_anywhere_is_one_line_within_seconds(monkeypatch, capsys, tmp_pa
 @pytest.mark.parametrize("module, config, exempt", [
     (ppo, ppo.Config, set(ppo.CHOICES)),
     (rm, rm.Config, set(rm.CHOICES)),
+    (sft, sft.Config, set(sft.CHOICES)),
 ])
 def test_every_numeric_flag_has_a_range_and_every_text_flag_its_choices(module, config,
                                                                          exempt):
