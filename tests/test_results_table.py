@@ -57,3 +57,9 @@ def test_an_unfinished_run_gives_one_line(tmp_path):
         results_table.read_results(tmp_path)
     with pytest.raises(SystemExit, match="no results.json"):
         results_table.read_results(tmp_path / "missing")
+
+
+def test_the_reference_row_names_the_model_ppo_started_from():
+    assert results_table.reference_name({}) == "SmolLM2-135M-Instruct (the reference)"
+    assert results_table.reference_name({"model": "runs/sft"}) == \
+        "SFT model, runs/sft (the reference)"

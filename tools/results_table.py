@@ -71,13 +71,20 @@ def row(name, samples, humans, copied=None):
     return "| " + " | ".join(cells) + " |"
 
 
+def reference_name(config):
+    """The reference row's name: SmolLM2, or the SFT model PPO started from (sft.py)."""
+    model = config.get("model", loaders.POLICY_NAME)
+    return ("SmolLM2-135M-Instruct (the reference)" if model == loaders.POLICY_NAME
+            else f"SFT model, {model} (the reference)")
+
+
 def table(runs):
     """The markdown table for a list of results.json dicts (the first gives the shared rows)."""
     first = runs[0]["final"]
     humans = [s["text"] for s in first["human_samples"]]
     people = first["human_samples"]
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS),
-             row("SmolLM2-135M-Instruct (the reference)", first["ref_samples"], humans)]
+             row(reference_name(runs[0]["config"]), first["ref_samples"], humans)]
     for results in runs:
         final, config = results["final"], results["config"]
         if [s["text"] for s in final["human_samples"]] != humans:
