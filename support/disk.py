@@ -215,6 +215,7 @@ def publish(staging, out):
     for file in (p for p in staging.rglob("*") if p.is_file()):
         with cli.writing(file):
             sync(file)
+            file.chmod(0o666 & ~UMASK)           # as open() makes them (some writers: 0600)
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     staging.chmod(0o755)                         # mkdtemp made it private (0700)
     with cli.writing(out):

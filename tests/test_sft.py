@@ -166,6 +166,7 @@ def test_sft_end_to_end(tiny_sft, tokenizer):
     assert page.count("<tr>") == 1 + 4 and "start (SmolLM2)" in page and ">SFT<" in page
     assert "no judge in" in printed and "SFT over its start, paired by post" in printed
     # the saved model is the merged one: no adapter tensor, and not the tiny model it began as
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~disk.UMASK
     saved = load_file(str(out / "model.safetensors"))
     assert not any(name.endswith(("down.weight", "up.weight")) for name in saved)
     start = loaders.tiny_model(tokenizer, seed=0)
