@@ -47,7 +47,7 @@ import reward_model as rm
 from lora import merge_lora, with_lora
 from support import cli, disk
 from support.config import option, read_config
-from support.heldout import sft_rows, write_sft_page
+from support.heldout import sft_rows, write_samples_page
 
 
 @dataclass
@@ -237,8 +237,12 @@ def run(cfg, staging, start):
         sft_model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         disk.write_json(staging / "results.json", results)
-        write_sft_page(samples, held_out, f"SFT ({cfg.steps} steps) against {cfg.model}",
-                       staging / "samples.html")
+        people = [{"text": p["summary"], "reward": None} for p in held_out]
+        write_samples_page({"samples": samples["sft"], "ref_samples": samples["start"],
+                            "human_samples": people}, held_out,
+                           f"SFT ({cfg.steps} steps) against {cfg.model}",
+                           staging / "samples.html",
+                           labels={"reference": "start (SmolLM2)", "policy": "SFT"})
         plot_curve(curve, staging / "curve.png")
     print_rows(rows, cfg)
     return results

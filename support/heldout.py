@@ -56,7 +56,8 @@ def outside_measures(samples, held_out, reward, tokenizer, written=False, human=
     ends in "?" or asks for help. samples: [{text, ids (EOS included if it ended)}], or
     with `written` [{text}], tokenized as the judge trained on them; `human`: they are the
     human TL;DRs."""
-    gaps = relevance_gaps(samples, held_out, reward, tokenizer, written) if reward else None
+    gaps = (relevance_gaps(samples, held_out, reward, tokenizer, written)
+            if reward is not None else None)
     ranks = retrieval_ranks([s["text"] for s in samples],
                             [f"{p['title']}\n{p['post']}" for p in held_out])
     for i, (s, post, rank) in enumerate(zip(samples, held_out, ranks)):
@@ -264,43 +265,17 @@ def sft_rows(start, sft, reward, tokenizer, held_out, cfg, device, rollouts):
         with loaders.precision(cfg, device):
             outside_measures(drawn[name], held_out, reward, tokenizer)
     ref = drawn["start"]
-    rows = {"start": {**sample_row(ref), **outside_summary(ref)},
-            "sft": {**sample_row(drawn["sft"]), **outside_summary(drawn["sft"], ref)}}
+    rows = {name: {**summarize(d), "words": sum(len(words(s["text"])) for s in d) / len(d),
+                   **outside_summary(d, None if name == "start" else ref)}
+            for name, d in drawn.items()}
     return rows, {"start": per_post(ref, keys), "sft": per_post(drawn["sft"], keys, ref)}
 
 
-def sample_row(samples):
-    """Means over sampled summaries: the judge's reward ± SE (where it scored them), words,
-    tokens, the share ending by themselves, copying, fluency and KL (summarize's, judge
-    optional)."""
-    mean = lambda key: sum(s[key] for s in samples) / len(samples)  # noqa: E731
-    row = ({"reward": mean("reward"), "reward_se": standard_error([s["reward"] for s in samples])}
-           if samples[0]["reward"] is not None else {"reward": None})
-    return {**row, "words": sum(len(words(s["text"])) for s in samples) / len(samples),
-            "length": mean("length"), "eos_fraction": mean("eos"),
-            "copied_bigrams": mean("copied_bigrams"), "fluency": mean("fluency"),
-            "kl": mean("kl")}
-
-
-def write_sft_page(samples, held_out, title, path):
-    """sft.py's samples.html: per held-out post, the post, the human TL;DR, the start's sample
-    and the SFT model's, with their rewards (where judged), lengths, ROUGE-L and ranks."""
-    rows = []
-    for post, start, mine in zip(held_out, samples["start"], samples["sft"]):
-        rows.append({"post": post["prompt"], "human": post["summary"], "reference": start["text"],
-                     "policy": mine["text"], "policy_reward": mine["reward"],
-                     "reference_reward": start["reward"], "policy_length": mine["length"],
-                     "reference_length": start["length"], "policy_rouge_l": mine["rouge_l"],
-                     "reference_rouge_l": start["rouge_l"], "policy_rank": mine["retrieval_rank"],
-                     "reference_rank": start["retrieval_rank"]})
-    write_text(path, samples_page(rows, title, labels={"reference": "start (SmolLM2)",
-                                                       "policy": "SFT"}))
-
-
-def write_samples_page(final, held_out, title, path):
+def write_samples_page(final, held_out, title, path, labels=None):
     """samples.html: per held-out post, the post, the human TL;DR, SmolLM2's sample, the
     policy's and, where the data has it, OpenAI's 1.3B PPO policy's, with their rewards,
-    lengths, ROUGE-L and retrieval ranks (quality.py)."""
+    lengths, ROUGE-L and retrieval ranks (quality.py). `labels` renames the reference and
+    policy columns (sft.py: its start and the SFT model)."""
     rows = []
     openai = final.get("openai_1b_samples") or [{}] * len(held_out)
     for post, mine, ref, human, big in zip(held_out, final["samples"], final["ref_samples"],
@@ -315,4 +290,4 @@ def write_samples_page(final, held_out, title, path):
                      "policy_rouge_l": mine["rouge_l"], "reference_rouge_l": ref["rouge_l"],
                      "policy_rank": mine["retrieval_rank"],
                      "reference_rank": ref["retrieval_rank"]})
-    write_text(path, samples_page(rows, title))
+    write_text(path, samples_page(rows, title, labels))

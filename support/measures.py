@@ -67,9 +67,13 @@ def distinct_2(samples):
 
 
 def summarize(samples):
-    """One run's held-out numbers: means over the samples, reward_se and distinct-2."""
+    """One run's held-out numbers: means over the samples, reward_se and distinct-2. Samples
+    no judge scored (reward None: sft.py's rows without one) give reward None, no reward_se."""
     mean = lambda key: sum(s[key] for s in samples) / len(samples)  # noqa: E731
-    return {"reward": mean("reward"), "reward_se": standard_error([s["reward"] for s in samples]),
+    judged = samples[0]["reward"] is not None
+    return {**({"reward": mean("reward"),
+                "reward_se": standard_error([s["reward"] for s in samples])}
+               if judged else {"reward": None}),
             "fluency": mean("fluency"), "kl": mean("kl"), "length": mean("length"),
             "eos_fraction": mean("eos"), "copied_bigrams": mean("copied_bigrams"),
             "distinct_2": distinct_2(samples)}

@@ -61,12 +61,8 @@ def test_the_learning_rate_schedules():
     assert [sft.learning_rate_factor(s, 4, "linear") for s in range(4)] == [1, 0.75, 0.5, 0.25]
 
 
-def posts_of(tldr_posts, n=6):
-    return [{**p, "prompt": p["prompt"]} for p in tldr_posts[:n]]
-
-
 def test_micro_batches_give_the_whole_batchs_loss_and_gradient(tiny, tokenizer, tldr_posts):
-    posts = posts_of(tldr_posts, 4)
+    posts = tldr_posts[:4]
     grads, losses = [], []
     for micro_batch in (4, 1, 3):
         policy = noisy_adapter(tiny)
@@ -84,7 +80,7 @@ def test_micro_batches_give_the_whole_batchs_loss_and_gradient(tiny, tokenizer, 
 
 def test_a_few_steps_lower_the_loss(tiny, tokenizer, tldr_posts):
     cfg = sft.Config(**{**sft.PRESETS["tiny"], "steps": 8, "lr": 1e-2, "eval_every": 8})
-    posts = posts_of(tldr_posts, 2)
+    posts = tldr_posts[:2]
     torch.manual_seed(0)
     policy = with_lora(copy.deepcopy(tiny))
     curve = sft.train(policy, tokenizer, posts, posts, cfg, "cpu")
