@@ -79,7 +79,7 @@ def relevance_gaps(samples, held_out, reward, tokenizer, written=False):
     # home already: a gap of two differently computed numbers would carry their noise.
     home = rm.score_grouped(reward, prompts, ids)                            # (n,)
     away = rm.score_grouped(reward, prompts[1:] + prompts[:1], ids)          # (n,)
-    return (home - away).tolist()
+    return [h - a for h, a in zip(home.tolist(), away.tolist())]   # in Python's float64
 
 
 def outside_summary(samples, ref_samples=None):
