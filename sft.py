@@ -58,6 +58,8 @@ class Config:
     batch: int = option(8, "posts per step")
     micro_batch: int = option(8, "posts per forward and backward pass (same gradient)")
     lr: float = option(5e-4, "AdamW learning rate of the LoRA adapter")
+    lora_layers: int = option(0, "put the adapter on the top N layers only; 0 = every "
+                                 "layer (the post's)")
     schedule: str = option("constant", "the learning rate over the steps: constant, or linear "
                                        "(decays to 0 at the last step)")
     prompt_tokens: int = option(128, "longer posts are cut, as ppo.py cuts them (the post: 256)")
@@ -83,7 +85,7 @@ CHOICES = {"preset": ("auto", "blog", "cpu", "tiny"), "schedule": ("constant", "
 RANGES = {"steps": cli.COUNT, "batch": cli.COUNT, "micro_batch": cli.COUNT, "lr": cli.POSITIVE,
           "prompt_tokens": cli.Range(loaders.PROMPT_TEMPLATE_TOKENS),
           "eval_prompts": cli.Range(1, loaders.EVAL_RESERVE), "eval_every": cli.COUNT,
-          "seed": cli.NON_NEGATIVE, "max_new_tokens": cli.COUNT}
+          "lora_layers": cli.NON_NEGATIVE, "seed": cli.NON_NEGATIVE, "max_new_tokens": cli.COUNT}
 
 
 def parse_args(argv=None):
@@ -211,6 +213,9 @@ def run(cfg, staging, start):
     comparisons = load_comparisons_or_none(cfg.data_dir)
     base, tokenizer = loaders.load_policy_and_tokenizer(cfg.model, preset=cfg.preset,
                                                         device=device)
+    if cfg.lora_layers > len(base.model.layers):
+        raise cli.UserError(f"argument --lora-layers: {cfg.lora_layers} is more than the "
+                            f"model's {len(base.model.layers)} layers")
     disk.check_room(cfg.out, saved_bytes(base), f"the SFT model in {cfg.out}")
     train_posts, held_out = training_posts(cfg, tokenizer, posts, comparisons)
     judge_path = Path(cfg.reward_model)
@@ -222,7 +227,7 @@ def run(cfg, staging, start):
     torch.manual_seed(cfg.seed)                 # the adapter's A
     # departure 1: the post's LoRA on a frozen copy of the base (kept apart: the merge
     # writes into the copy's weights, and the base's row is sampled after)
-    policy = with_lora(copy.deepcopy(base))
+    policy = with_lora(copy.deepcopy(base), top_layers=cfg.lora_layers)
     policy.eval()                               # dropout off, as in every pass of ppo.py
     curve = train(policy, tokenizer, train_posts, held_out, cfg, device)
     sft_model = merge_lora(policy)              # W' = W + (alpha / r) B A, in the copy
