@@ -353,6 +353,18 @@ def is_model_folder(path):
     return (Path(path) / "config.json").is_file() and any(Path(path).glob("*.safetensors"))
 
 
+def sft_start(model):
+    """The model that sft.py fine-tuned into the folder `model` (its results.json), or None
+    when `model` is no sft.py folder: the post's start, which PPO's table shows beside SFT."""
+    path = Path(model) / "results.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())["config"]["model"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def start_model(name, preset):
     """The model PPO starts from and keeps as its reference: `name`, except that the default,
     SFT_MODEL, falls back to POLICY_NAME when sft.py has not written it (one line says so),

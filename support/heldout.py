@@ -40,7 +40,9 @@ from support.report import (load_baseline, plot_curves, print_gain, print_row,
 
 # The settings that decide the reference's held-out samples and the human rows: a resumed
 # sweep reuses its stored ones only when these agree (and when they carry MEASURES).
-MEASURES = 4    # 2: outside_measures; 3: the OpenAI 1.3B row; 4: rouge-score ROUGE-L, people's length
+# 2: outside_measures; 3: the OpenAI 1.3B row; 4: rouge-score ROUGE-L, people's length;
+# 5: the start row (SmolLM2) when the reference is sft.py's model
+MEASURES = 5
 OUTSIDE = ("rouge_l", "retrieval_rank", "relevance_gap", "question", "asks_help")  # per sample
 BASELINE_KEY = ("model", "reward_model", "reward", "data_dir", "preset", "prompt_tokens",
                 "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts", "batch",
@@ -168,6 +170,9 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
                                                             "text", *OUTSIDE)),
                       "human_samples": per_post(human, ("length", "copied_bigrams", "text",
                                                          *OUTSIDE[1:]))}
+    if start_name := loaders.sft_start(cfg.model):      # the reference is sft.py's model
+        baseline["start"], baseline_posts["start_samples"] = start_row(
+            start_name, cfg, models, held_out, rollouts)
     if all("openai_1b" in p for p in held_out):         # the data's 1.3B PPO summaries
         with loaders.precision(cfg, device):
             baseline["openai_1b"], openai = written_row([p["openai_1b"] for p in held_out],
@@ -179,6 +184,20 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
           f"{baseline['human']['reward']:.2f} ± {baseline['human']['reward_se']:.2f}")
     return {"key": key, "baseline": baseline, "baseline_posts": baseline_posts,
             "ref_samples": ref_samples}
+
+
+def start_row(name, cfg, models, held_out, rollouts):
+    """The model sft.py started from (the post's start, SmolLM2), sampled on the held-out posts
+    as the reference is (the same seed: sft.py's start row), scored, its KL taken to the
+    reference. Returns (the row's means with "model": name, the samples per post)."""
+    reference, reward, tokenizer, device = models
+    start, _ = loaders.load_policy_and_tokenizer(name, preset=cfg.preset, device=device)
+    torch.manual_seed(10_000)
+    samples = rollouts(start, reference, reward, tokenizer, held_out, cfg, device)
+    with loaders.precision(cfg, device):
+        outside_measures(samples, held_out, reward, tokenizer)
+    return ({**summarize(samples), **outside_summary(samples), "model": name},
+            per_post(samples, ("length", "eos", "copied_bigrams", "kl", "text", *OUTSIDE)))
 
 
 def length_and_copying(tokenizer, text, prompt):
@@ -225,7 +244,7 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
     final = {**summarize(samples), "gain_over_ref": gain, "gain_over_ref_se": gain_se,
              **outside_summary(samples, ref_samples),
              "ref": baseline["ref"], "human": baseline["human"],
-             **({"openai_1b": baseline["openai_1b"]} if "openai_1b" in baseline else {}),
+             **{k: baseline[k] for k in ("start", "openai_1b") if k in baseline},
              "value_loss_last20": sum(r["value_loss"] for r in last20) / len(last20),
              "samples": per_post(samples, ("length", "eos", "copied_bigrams", "kl", "text",
                                            *OUTSIDE), ref_samples),
@@ -233,10 +252,13 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
     results["final"] = final
     write_json(run_dir / "results.json", results)
     plot_curves(results, run_dir / "curves.png")
-    write_samples_page(final, held_out, f"beta={beta:g} seed={seed}", run_dir / "samples.html")
+    write_samples_page(final, held_out, f"beta={beta:g} seed={seed}", run_dir / "samples.html",
+                       labels={"reference": "reference (SFT)"} if "start" in final else None)
     print_row_header()
     print_row(f"{beta:g}", final)
     print_row("(ref)", baseline["ref"])
+    if "start" in baseline:                             # the post's start, before SFT
+        print_row("start", baseline["start"])
     print_row("human", baseline["human"])
     if "openai_1b" in baseline:                         # a 10x larger RLHF summariser
         print_row("OpenAI", baseline["openai_1b"])
@@ -272,15 +294,20 @@ def sft_rows(start, sft, reward, tokenizer, held_out, cfg, device, rollouts):
 
 
 def write_samples_page(final, held_out, title, path, labels=None):
-    """samples.html: per held-out post, the post, the human TL;DR, SmolLM2's sample, the
-    policy's and, where the data has it, OpenAI's 1.3B PPO policy's, with their rewards,
+    """samples.html: per held-out post, the post, the human TL;DR, the reference's sample (SFT
+    or SmolLM2; SmolLM2's too beside SFT's), the policy's and, where the data has it,
+    OpenAI's 1.3B PPO policy's, with their rewards,
     lengths, ROUGE-L and retrieval ranks (quality.py). `labels` renames the reference and
     policy columns (sft.py: its start and the SFT model)."""
     rows = []
     openai = final.get("openai_1b_samples") or [{}] * len(held_out)
-    for post, mine, ref, human, big in zip(held_out, final["samples"], final["ref_samples"],
-                                           final["human_samples"], openai):
-        rows.append({"openai_1b": big.get("text"), "openai_1b_reward": big.get("reward"),
+    starts = final.get("start_samples") or [{}] * len(held_out)
+    for post, mine, ref, human, big, first in zip(held_out, final["samples"],
+                                                  final["ref_samples"], final["human_samples"],
+                                                  openai, starts):
+        rows.append({"start": first.get("text"), "start_reward": first.get("reward"),
+                     "start_rouge_l": first.get("rouge_l"),
+                     "openai_1b": big.get("text"), "openai_1b_reward": big.get("reward"),
                      "openai_1b_rouge_l": big.get("rouge_l"),
                      "openai_1b_rank": big.get("retrieval_rank"),
                      "post": post["prompt"], "human": human["text"], "reference": ref["text"],

@@ -216,11 +216,13 @@ DASH = "\u2014"
 NUMBERS = (("policy_reward", "policy reward", "{:+.2f}"),
            ("reference_reward", "reference reward", "{:+.2f}"),
            ("human_reward", "human reward", "{:+.2f}"),
+           ("start_reward", "SmolLM2 reward", "{:+.2f}"),
            ("openai_1b_reward", "OpenAI 1.3B reward", "{:+.2f}"),
            ("policy_length", "policy length", "{:g}"),
            ("reference_length", "reference length", "{:g}"),
            ("policy_rouge_l", "policy ROUGE-L", "{:.2f}"),
            ("reference_rouge_l", "reference ROUGE-L", "{:.2f}"),
+           ("start_rouge_l", "SmolLM2 ROUGE-L", "{:.2f}"),
            ("openai_1b_rouge_l", "OpenAI 1.3B ROUGE-L", "{:.2f}"),
            ("policy_rank", "policy rank", "{:g}"),
            ("reference_rank", "reference rank", "{:g}"),
@@ -280,7 +282,8 @@ def samples_page(rows, title, labels=None):
     """A complete static HTML page (str) of held-out samples, one table row per post.
 
     rows: list of dicts with texts "post", "human", "reference", "policy", optionally
-    "openai_1b" (its column and numbers only where some row has it), and the numbers of
+    "start" (SmolLM2 beside an SFT reference) and "openai_1b" (each with its column and
+    numbers only where some row has it), and the numbers of
     NUMBERS (each may be missing or None: shown as an em dash). "#" is the row's index in
     `rows`. Rows are ordered by policy_reward, highest first, rows without one last; a
     click on a column header re-sorts (plain inline JavaScript, optional). Every text is
@@ -290,13 +293,15 @@ def samples_page(rows, title, labels=None):
         x = _number(rows[i], "policy_reward")
         return (x is None, -x if x is not None else 0.0)
     order = sorted(range(len(rows)), key=by_reward)
-    texts = {"human": "human TL;DR", "reference": "reference", "policy": "policy",
-             **(labels or {})}                          # sft.py: start and SFT
-    numbers = NUMBERS
+    texts = {"human": "human TL;DR",
+             **({"start": "SmolLM2 (before SFT)"} if any(row.get("start") for row in rows)
+                else {}),                               # the reference is sft.py's model
+             "reference": "reference", "policy": "policy", **(labels or {})}
     if any(row.get("openai_1b") for row in rows):        # the data's 1.3B PPO summaries
         texts["openai_1b"] = "OpenAI 1.3B PPO"
-    else:
-        numbers = [n for n in NUMBERS if not n[0].startswith("openai_1b")]
+    numbers = [n for n in NUMBERS            # no numbers of a column that is not shown
+               if not any(n[0].startswith(column + "_") and column not in texts
+                          for column in ("start", "openai_1b"))]
     headers = ["#", "post", *texts.values()] + [h for _, h, _ in numbers]
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',

@@ -105,6 +105,8 @@ CASES = [
     (f"{SFT} --eval-prompts 300", "--eval-prompts"),
     (f"{SFT} --eval-every 0", "--eval-every"),
     (f"{SFT} --max-new-tokens 0", "--max-new-tokens"),
+    (f"{SFT} --lora-layers -1", "--lora-layers"),
+    (f"{SFT} --lora-layers 99", "--lora-layers"),                  # more than the model has
     (f"{SFT} --out {{w}}/a_file", "a_file"),
     (f"{SFT} --data-dir {{w}}/missing", "--data-dir"),
     (f"{SFT} --model ./no_such_model", "--model"),

@@ -61,5 +61,22 @@ def test_an_unfinished_run_gives_one_line(tmp_path):
 
 def test_the_reference_row_names_the_model_ppo_started_from():
     assert results_table.reference_name({}) == "SmolLM2-135M-Instruct (the reference)"
-    assert results_table.reference_name({"model": "runs/sft"}) == \
-        "SFT model, runs/sft (the reference)"
+    assert results_table.reference_name({"model": "runs/sft"}) == "SFT, runs/sft (the reference)"
+
+
+def test_from_sft_the_post_start_comes_first_then_the_sft_reference():
+    run = results(0, ["the cat sat", "nothing here"])
+    run["config"]["model"] = "runs/sft"
+    run["final"]["start"] = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    run["final"]["start_samples"] = [sample("a b c d", -3.0, 2, eos=False, copied_bigrams=0.0),
+                                     sample("dog", -1.0, 1, eos=True, copied_bigrams=1.0)]
+    lines = results_table.table([run]).splitlines()
+    assert len(lines) == 2 + 5                      # start, SFT, the run, OpenAI, people
+    # rewards -3, -1: mean -2, SE 1; MRR (1/2 + 1)/2; ROUGE-L 0 and 0 ("dog" against "a dog
+    # ran": LCS 1, P 1, R 1/3, F1 0.5): 0.25; words 4 and 1; EOS 1 of 2; copied 50%
+    assert lines[2] == ("| SmolLM2-135M-Instruct (the post's start, before SFT) | -2.00 ± 1.00 "
+                        "| 0.75 | 0.250 | 2 | 50% | 50% |")
+    assert lines[3].startswith("| SFT, runs/sft (the reference) | -1.00 ± 0.00 |")
+    samples = results_table.samples_table([run], [1]).splitlines()
+    assert samples[0] == "| human TL;DR | SmolLM2 | SFT | PPO, β = 0 | OpenAI 1.3B |"
+    assert samples[2] == '| "a dog ran" | "dog" | "z" | "nothing here" | "a dog ran" |'

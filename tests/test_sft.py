@@ -6,7 +6,8 @@
 - ppo.py's start: runs/sft when it holds a model, else SmolLM2 with one line; never at the
   tiny preset unless a folder is named.
 - End to end (slow): `sft.py --preset tiny`, its files and rows; then ppo.py from that
-  model: the ratio is exactly 1 and the KL exactly 0 at the first step. A full disk and a
+  model: the ratio is exactly 1 and the KL exactly 0 at the first step, and its table
+  carries the model SFT began from as sft.py sampled it. A full disk and a
   held folder each stop it in one line, leaving nothing.
 Run:  python -m pytest -q tests/test_sft.py          (and -m slow for the end-to-end ones)
 """
@@ -29,9 +30,9 @@ from support import cli, disk
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def noisy_adapter(model, seed=0, scale=0.05):
+def noisy_adapter(model, seed=0, scale=0.05, top_layers=None):
     """`with_lora(model)` with random non-zero adapters (a trained one's stand-in)."""
-    policy = with_lora(copy.deepcopy(model))
+    policy = with_lora(copy.deepcopy(model), top_layers=top_layers)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in policy.parameters():
@@ -54,6 +55,22 @@ def test_the_merge_gives_the_wrapped_models_logits(tiny, tokenizer):
     assert (merged - base).abs().max() > 1e-3          # the update is in the weights
     layer = merged_model.model.layers[0].self_attn
     assert type(layer.q_proj) is torch.nn.Linear and type(layer.k_proj) is torch.nn.Linear
+
+
+def test_the_merge_with_the_adapter_on_the_top_layers_only(tiny, tokenizer):
+    ids = tokenizer(["TITLE: a title\n\nPOST: some words.\n\nTL;DR:"],
+                    return_tensors="pt").input_ids
+    policy = noisy_adapter(tiny, top_layers=1)
+    wrapped_layers = [any(isinstance(m, LoRALinear) for m in layer.modules())
+                      for layer in policy.model.layers]
+    assert wrapped_layers == [False] * (len(wrapped_layers) - 1) + [True]
+    with torch.no_grad():
+        wrapped = policy(ids).logits
+        merged_model = merge_lora(policy)
+        assert torch.allclose(merged_model(ids).logits, wrapped, atol=1e-5)
+    assert not any(isinstance(m, LoRALinear) for m in merged_model.modules())
+    for before, after in zip(tiny.model.layers[:-1], merged_model.model.layers[:-1]):
+        assert torch.equal(before.self_attn.q_proj.weight, after.self_attn.q_proj.weight)
 
 
 def test_the_learning_rate_schedules():
@@ -188,6 +205,15 @@ def test_ppo_from_the_sft_model_starts_with_ratio_one_and_kl_zero(tiny_sft, tiny
     sft_texts = [s["text"] for s in json.loads((out / "results.json").read_text())
                  ["samples"]["sft"]]
     assert [s["text"] for s in results["final"]["ref_samples"]] == sft_texts
+    # the post's start beside it: the model sft.py began from, sampled as sft.py sampled it
+    start_texts = [s["text"] for s in json.loads((out / "results.json").read_text())
+                   ["samples"]["start"]]
+    assert results["final"]["start"]["model"] == loaders.POLICY_NAME
+    assert [s["text"] for s in results["final"]["start_samples"]] == start_texts
+    assert start_texts != sft_texts
+    page = (tmp_path / "ppo" / "samples.html").read_text()
+    assert "SmolLM2 (before SFT)" in page and "reference (SFT)" in page
+    assert "SmolLM2 reward" in page
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The README's table of held-out results, from the results.json of one or more ppo.py runs.
 
-One row per summariser on the run's held-out posts: SmolLM2 (the reference PPO starts
-from), each run's policy, OpenAI's 1.3B PPO policy (its summaries are in the data file,
+One row per summariser on the run's held-out posts: SmolLM2-135M-Instruct (the post's
+start), the SFT model when PPO started from sft.py's (the reference), each run's policy, OpenAI's 1.3B PPO policy (its summaries are in the data file,
 when they are) and people's TL;DRs. Columns: the judge's reward (mean ± SE over posts),
 then what the judge never saw (support/quality.py): the mean reciprocal rank of the
 summary's own post by TF-IDF retrieval, ROUGE-L F1 against the human TL;DR, words, the
@@ -71,11 +71,16 @@ def row(name, samples, humans, copied=None):
     return "| " + " | ".join(cells) + " |"
 
 
+def short(model):
+    """A hub id without its owner: SmolLM2-135M-Instruct."""
+    return model.rsplit("/", 1)[-1] if model == loaders.POLICY_NAME else model
+
+
 def reference_name(config):
     """The reference row's name: SmolLM2, or the SFT model PPO started from (sft.py)."""
     model = config.get("model", loaders.POLICY_NAME)
-    return ("SmolLM2-135M-Instruct (the reference)" if model == loaders.POLICY_NAME
-            else f"SFT model, {model} (the reference)")
+    return (f"{short(model)} (the reference)" if model == loaders.POLICY_NAME
+            else f"SFT, {model} (the reference)")
 
 
 def table(runs):
@@ -83,8 +88,11 @@ def table(runs):
     first = runs[0]["final"]
     humans = [s["text"] for s in first["human_samples"]]
     people = first["human_samples"]
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS),
-             row(reference_name(runs[0]["config"]), first["ref_samples"], humans)]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    if "start_samples" in first:                        # the reference is sft.py's model
+        lines.append(row(f"{short(first['start']['model'])} (the post's start, before SFT)",
+                         first["start_samples"], humans))
+    lines.append(row(reference_name(runs[0]["config"]), first["ref_samples"], humans))
     for results in runs:
         final, config = results["final"], results["config"]
         if [s["text"] for s in final["human_samples"]] != humans:
@@ -101,12 +109,15 @@ def table(runs):
 def samples_table(runs, posts):
     """A markdown table of the summaries of a few held-out posts (indices), side by side."""
     first = runs[0]["final"]
-    names = (["human TL;DR", "SmolLM2"] + [f"PPO, β = {r['config']['beta']:g}" for r in runs]
+    start = "start_samples" in first                    # the reference is sft.py's model
+    names = (["human TL;DR"] + (["SmolLM2", "SFT"] if start else ["SmolLM2"])
+             + [f"PPO, β = {r['config']['beta']:g}" for r in runs]
              + (["OpenAI 1.3B"] if "openai_1b_samples" in first else []))
     lines = ["| " + " | ".join(names) + " |", "|" + " --- |" * len(names)]
     quote = lambda s: '"' + " ".join(s["text"].split()).replace("|", "/") + '"'  # noqa: E731
     for i in posts:
-        cells = [first["human_samples"][i], first["ref_samples"][i],
+        cells = [first["human_samples"][i], *([first["start_samples"][i]] if start else []),
+                 first["ref_samples"][i],
                  *[r["final"]["samples"][i] for r in runs],
                  *([first["openai_1b_samples"][i]] if "openai_1b_samples" in first else [])]
         lines.append("| " + " | ".join(quote(s) for s in cells) + " |")
