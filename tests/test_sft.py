@@ -230,3 +230,18 @@ def test_no_room_and_a_held_folder_stop_it_in_one_line(tmp_path, monkeypatch, ca
             cli.run_script(sft.main, ["--preset", "tiny", "--out", str(tmp_path / "held")])
     assert "is in use by process" in str(stop.value.code)
     assert not (tmp_path / "held").exists()
+
+
+@pytest.mark.slow
+def test_a_judge_is_read_on_the_sft_models_samples(tiny_sft, tiny_reward_model):
+    """tools/rm_relevance --samples-from: the third set holds the SFT model's samples, which
+    metrics.json (the judge's own start's samples) has no number for."""
+    out, _ = tiny_sft
+    done = run("-m", "tools.rm_relevance", "--reward-model", str(tiny_reward_model),
+               "--samples-from", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"samples from {out})" in done.stdout
+    row = next(line.split() for line in done.stdout.splitlines()
+               if line.startswith("samples, held-out posts"))
+    assert row[-4] == "-"                               # not the draw metrics.json scored
+    assert 0 <= float(row[-7]) <= 1
