@@ -304,7 +304,8 @@ def off_post_pairs(prompts, summaries, post_ids, eos_id, seed, kind="off_post", 
 
 
 def sample_reference_phase(config, tokenizer, data, encoded, device):
-    """SmolLM2's own samples: departure 7's training pairs and the held-out gap's samples.
+    """The reference policy's own samples (--model's: SmolLM2, or sft.py's model): departure
+    7's training pairs and the held-out gap's samples.
 
     Training posts: TL;DR posts whose title is neither reserved for ppo.py's evaluation nor
     one of this split's held-out posts. Returns (reference pairs, human and sample
@@ -342,5 +343,5 @@ def sample_reference_phase(config, tokenizer, data, encoded, device):
                              config.off_post_negatives)[:config.off_post_sample_pairs]
     if config.off_post_pairs or config.off_post_sample_pairs:
         print(f"off-post pairs (departure 9): {len(human)} of human TL;DRs from {len(pool)} "
-              f"posts, {len(own)} of SmolLM2's samples from {len(posts)}")
+              f"posts, {len(own)} of the reference policy's samples from {len(posts)}")
     return pairs, human, own, gap_samples, time.time() - t

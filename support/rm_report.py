@@ -289,7 +289,7 @@ def print_summary(metrics, extra, parts):
               "token (before)")
     for name, what in (("human_reserve", "human TL;DRs, ppo.py's evaluation posts"),
                        ("human_heldout", "human TL;DRs, held-out posts"),
-                       ("samples_heldout", "SmolLM2's samples, held-out posts")):
+                       ("samples_heldout", "the reference policy's samples, held-out posts")):
         if r := extra["relevance"].get(name):
             print(f"relevance, {what}: own beats another post's of the same length "
                   f"{r['accuracy']:.3f} [{r['wilson_low']:.3f}, {r['wilson_high']:.3f}] "
