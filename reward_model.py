@@ -4,9 +4,10 @@ The post takes its reward model off the shelf (section "The four models": it "re
 post and a summary of it, returns one number"). This file trains one instead, from the
 human comparisons Stiennon et al. collected on this same Reddit data; `ppo.py` loads it.
 
-The model is the policy's base LM (SmolLM2-135M-Instruct without its LM head), the post's
-LoRA adapter (`lora.py`: rank 16, alpha 32, on q_proj and v_proj) and a scalar linear head
-read at the EOS that ends "post + TL;DR: + summary". It shares the policy's tokenizer, so
+The model is the policy's start without its LM head (sft.py's model, runs/sft, as the
+details note has it: "the supervised model with a linear head"; SmolLM2-135M-Instruct until
+sft.py has run), the post's LoRA adapter (`lora.py`: rank 16, alpha 32, on q_proj and
+v_proj) and a scalar linear head read at the EOS that ends "post + TL;DR: + summary". It shares the policy's tokenizer, so
 PPO scores the sampled ids directly. The post numbers no reward-model equation, so the
 ones here are R1-R6 (R1 is Stiennon et al.'s eq. 1):
     (R1) L = -log sigmoid(r(x, y_w) - r(x, y_l))        y_w preferred over y_l by a person
@@ -41,7 +42,7 @@ Papers:
   Wilson 1927, "Probable inference, the law of succession, and statistical inference"
 
 Departures from Stiennon et al. (each repeated at its line):
-  1. A LoRA adapter on a frozen LM, not full fine-tuning of a supervised TL;DR model.
+  1. A LoRA adapter on the frozen SFT model, not full fine-tuning of it.
      The `cpu` preset puts it on the top 8 of 30 layers only, so backpropagation stops
      there; `blog` uses every layer, as the post does.
   2. ~1.8k comparisons from OpenAI's two small offline batches, not 64k. Posts are held
@@ -53,7 +54,7 @@ Departures from Stiennon et al. (each repeated at its line):
   5. R3 averages over the held-out posts' human TL;DRs, not the whole dataset's.
   6. Length is modelled apart from content, (R5)-(R6): see above.
   7. `--reference-pairs N` adds N comparisons "a post's human TL;DR beats the reference
-     policy's own sample" (SmolLM2 with the post's sampling settings), as Stiennon et al.'s
+     policy's own sample" (--model's, with the post's sampling settings), as Stiennon et al.'s
      data compared policy samples with the human reference ("ref" in batch18). The sample is
      cut to the TL;DR's length, so the pair carries no length difference and only f learns
      from it. No post whose TL;DR serves in evaluation is used: not this file's held-out
@@ -64,11 +65,12 @@ Departures from Stiennon et al. (each repeated at its line):
      the length limit get one appended before scoring (`score_ids`), so a response cut at
      48 tokens looks like a training summary cut at 48 tokens, not like nothing seen before.
   9. `--off-post-pairs N` (`--off-post-sample-pairs M`): "under post p, p's own human TL;DR
-     (SmolLM2 sample) beats another post's", RRM (Liu et al. 2024, arXiv:2409.13156), with
-     both cut to equal length so only f learns, from departure 7's posts; each post against
-     its `--off-post-negatives` nearest in length. People's comparisons never reward
-     reading the post (both summaries are of it); the relevance metrics test it on posts
-     never trained on. On by default (docs/reward_model.md compares the recipes tried).
+     (reference policy's sample) beats another post's", RRM (Liu et al. 2024,
+     arXiv:2409.13156), with both cut to equal length so only f learns, from departure 7's
+     posts; each post against its `--off-post-negatives` nearest in length. People's
+     comparisons never reward reading the post (both summaries are of it); the relevance
+     metrics test it on posts never trained on. On by default (docs/reward_model.md
+     compares the recipes tried).
 Speed, exact: a batch reads each distinct prompt once for all the summaries that follow it
 (its keys and values are cached and copied), which causal attention makes identical to one
 full pass per summary (tested); relevance and the gap score their rows in one call each.
@@ -156,7 +158,7 @@ class Config:
                                               "--reference-pairs of them); 0 = off")
     off_post_negatives: int = option(1, "other posts' summaries each post's own beats in "
                                         "off-post pairs (its nearest in length)")
-    model: str = loaders.POLICY_NAME             # --model and --data-dir come from loaders
+    model: str = loaders.SFT_MODEL               # --model and --data-dir come from loaders
     data_dir: str = ""
 
 
@@ -472,6 +474,10 @@ def load_reward_model(path, device="cpu"):
             model.body.load_state_dict(load_file(str(path / "base.safetensors"),
                                                  device=str(device)), strict=False)
     if abs(base_fingerprint(model) - expected) > 1e-6 * max(1.0, abs(expected)):
+        if loaders.is_model_folder(settings["base_model"]):     # sft.py wrote it again since
+            raise cli.UserError(f"{path} was trained on other weights of the model in "
+                                f"{settings['base_model']} (written again since?); retrain the "
+                                "judge on it with `python reward_model.py`")
         raise cli.UserError(f"{path} was trained on other weights of {settings['base_model']} "
                             f"({settings['resolved_from']}); load that copy (HF_HUB_OFFLINE=1 "
                             "selects the embedded one) or retrain")

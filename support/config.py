@@ -9,7 +9,8 @@ before anything loads: a bad one exits with status 2 and one line (argparse's wa
                     tuple fields take one value or more (ppo.py's --beta 0 0.1, --seeds 0 1)
     --model, --data-dir, --debug    shared by every script (loaders.add_common_args)
     --preset        "auto" (or none) picks `blog` with CUDA or MPS, else `cpu`
-    --model         the Config's default: ppo.py's is sft.py's folder, SmolLM2 until it exists
+    --model         the Config's default: ppo.py's and reward_model.py's is sft.py's folder,
+                    SmolLM2 until it exists
 Test: pytest tests/test_cli.py
 """
 import argparse
@@ -57,5 +58,5 @@ def read_config(config_class, presets, ranges, choices, argv=None, description=N
     config = config_class(**{**presets[preset], **given, "preset": preset})
     cli.check_flags(parser, config, ranges)
     loaders.check_common_args(parser, config)
-    config.model = loaders.start_model(config.model, preset)    # ppo.py: runs/sft, or SmolLM2
+    config.model = loaders.start_model(config.model, preset)    # runs/sft, or SmolLM2
     return config, parser

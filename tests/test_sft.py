@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 import loaders
 import ppo
+import reward_model as rm
 import sft
 from lora import LoRALinear, merge_lora, with_lora
 from support import cli, disk
@@ -138,8 +139,16 @@ def test_ppo_starts_from_runs_sft_when_it_holds_a_model(tmp_path, monkeypatch, c
         loaders.POLICY_NAME
 
 
-def test_the_judge_and_sft_start_from_smollm2_by_default():
+def test_sft_starts_from_smollm2_and_the_judge_from_runs_sft(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert sft.parse_args(["--preset", "cpu"]).model == loaders.POLICY_NAME
+    assert rm.parse_config(["--preset", "cpu"]).model == loaders.POLICY_NAME   # no runs/sft
+    folder = tmp_path / loaders.SFT_MODEL
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    assert sft.parse_args(["--preset", "cpu"]).model == loaders.POLICY_NAME
+    assert rm.parse_config(["--preset", "cpu"]).model == loaders.SFT_MODEL
 
 
 # ----------------------------------------------------------------------- end to end
