@@ -28,6 +28,7 @@ has no distributed code in its way.
 Used by: ppo.py, reward_model.py, report.py. Tests: tests/test_parallel.py.
 """
 
+import atexit
 import os
 import signal
 import sys
@@ -72,6 +73,9 @@ def setup():
     else:
         backend = "gloo"
     dist.init_process_group(backend, timeout=TIMEOUT)
+    # Left to the interpreter's teardown, gloo's group once aborted a finished rank
+    # ("terminate called without an active exception"): destroyed first, on every exit.
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     if rank() > 0:
         sys.stdout = open(os.devnull, "w")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
