@@ -367,8 +367,9 @@ def sft_start(model):
 
 def start_model(name, preset):
     """The model PPO and the judge start from (PPO's reference): `name`, except that the
-    default, SFT_MODEL, falls back to POLICY_NAME when sft.py has not written it (one line says so),
-    and always at the tiny preset (whose model is `tiny_model`; pass another folder)."""
+    default, SFT_MODEL, falls back to POLICY_NAME when sft.py has not written it (one line
+    says so), and always at the tiny preset (whose model is `tiny_model`; pass another
+    folder)."""
     if name != SFT_MODEL or (preset != "tiny" and is_model_folder(name)):
         return name
     if preset != "tiny":
