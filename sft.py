@@ -76,9 +76,9 @@ class Config:
 
 PRESETS = {
     "blog": dict(prompt_tokens=256, batch=16, micro_batch=4),
-    # About 10 minutes on 2 cores. Steps, LR and schedule chosen by the held-out loss at
+    # About 9 minutes on 2 cores. Steps, LR and schedule chosen by the held-out loss at
     # equal time, every layer by it too (the top 8 alone: 1.7x faster a step, far slower
-    # to learn; tools/bench_sft.py times the step).
+    # to learn), 128 prompt tokens by MRR and ROUGE-L against 256 (docs/sft.md).
     "cpu": dict(prompt_tokens=128, batch=8, micro_batch=8),
     "tiny": dict(steps=4, batch=2, micro_batch=2, prompt_tokens=64, eval_prompts=4,
                  eval_every=2, max_new_tokens=8),
