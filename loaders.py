@@ -90,8 +90,25 @@ class NoDataError(DataError):
     """No data folder and no hub: the message already says where data is looked for."""
 
 
+DEVICE_ENV = "RLHF_DEVICE"          # cpu, cuda or mps: the device every script uses
+
+
 def pick_device():
-    """CUDA, then Apple's MPS, then the CPU."""
+    """$RLHF_DEVICE when set (cpu, cuda, cuda:N or mps: the tests name the device they mean
+    with it), else CUDA, then Apple's MPS, then the CPU."""
+    if chosen := os.environ.get(DEVICE_ENV):
+        try:
+            device = torch.device(chosen)
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda", "mps"):
+            raise cli.UserError(f"${DEVICE_ENV}={chosen}: not a device (cpu, cuda, cuda:N "
+                                "or mps)")
+        available = {"cpu": True, "cuda": torch.cuda.is_available(),
+                     "mps": torch.backends.mps.is_available()}[device.type]
+        if not available:
+            raise cli.UserError(f"${DEVICE_ENV}={chosen}: no {device.type} device here")
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():
@@ -100,11 +117,13 @@ def pick_device():
 
 
 def native_bf16(device):
-    """Whether bf16 matmuls are native on `device`: a CUDA GPU that has them, or a CPU with
-    AVX512-BF16 or AMX (from Linux's /proc/cpuinfo). Elsewhere they are emulated, and slower."""
+    """Whether bf16 matmuls are native on `device`: a CUDA GPU of compute capability 8.0 or
+    newer (Ampere on; torch's `is_bf16_supported` also counts the emulated bf16 of a T4 or a
+    V100), or a CPU with AVX512-BF16 or AMX (from Linux's /proc/cpuinfo). Elsewhere they are
+    emulated, and slower."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.get_device_capability(device) >= (8, 0)
     if device.type != "cpu":
         return False
     try:
@@ -134,6 +153,18 @@ def precision(cfg, device):
     if cfg.precision != "bf16":
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
+def at_precision(name, device):
+    """A model's passes at the precision it was trained in, `name` ("fp32" or "bf16"),
+    whatever autocast the caller set: the judge, trained in fp32, scores in fp32 inside PPO's
+    bf16 bodies (and one trained with --precision bf16 in bf16 everywhere)."""
+    kind = torch.device(device).type
+    if name == "bf16":
+        return torch.autocast(kind, dtype=torch.bfloat16)
+    if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
 
 
 def heads_in_fp32(hidden):

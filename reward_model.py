@@ -222,8 +222,9 @@ def bt_loss(r_w, r_l):
 
 
 def length_feature(tokens):
-    """g(y) of (R5): log(1 + |y|), for (B,) token counts (without the EOS)."""
-    return torch.log1p(torch.as_tensor(tokens, dtype=torch.float64))
+    """g(y) of (R5): log(1 + |y|), for (B,) token counts (without the EOS), in float64 on
+    the CPU (Apple's MPS has none)."""
+    return torch.log1p(torch.as_tensor(tokens, dtype=torch.float64, device="cpu"))
 
 
 def fit_length_weight(dg, iterations=50):
@@ -272,9 +273,10 @@ class RewardModel(nn.Module):
         padding (training), or both (a left-padded prompt, then a response that stopped).
         """
         # Departure 3: positions from the mask, so the padding side does not matter.
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=loaders.positions(attention_mask),
-                           use_cache=False).last_hidden_state              # (B, L, d)
+        with self.trained_precision():
+            hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=loaders.positions(attention_mask),
+                               use_cache=False).last_hidden_state          # (B, L, d)
         return self.read_score(hidden, attention_mask)
 
     def forward_shared(self, prompts, summaries, owner):
@@ -293,14 +295,22 @@ class RewardModel(nn.Module):
         # transformers 5 calls the argument `cache`, 4.x `past_key_values`; both are allowed.
         name = "cache" if "cache" in inspect.signature(self.body.forward).parameters \
             else "past_key_values"
-        self.body(input_ids=prompt_ids, attention_mask=prompt_mask,        # (M, P) left
-                  position_ids=loaders.positions(prompt_mask), use_cache=True, **{name: cache})
-        cache.reorder_cache(owner)               # every layer's K, V: (M, ...) -> (N, ...)
-        mask = torch.cat([prompt_mask[owner], summary_mask], dim=1)         # (N, P + S)
-        hidden = self.body(input_ids=summary_ids, attention_mask=mask,      # (N, S) right
-                           position_ids=loaders.positions(mask)[:, prompt_ids.shape[1]:],
-                           use_cache=True, **{name: cache}).last_hidden_state  # (N, S, d)
+        with self.trained_precision():
+            self.body(input_ids=prompt_ids, attention_mask=prompt_mask,    # (M, P) left
+                      position_ids=loaders.positions(prompt_mask), use_cache=True,
+                      **{name: cache})
+            cache.reorder_cache(owner)           # every layer's K, V: (M, ...) -> (N, ...)
+            mask = torch.cat([prompt_mask[owner], summary_mask], dim=1)     # (N, P + S)
+            hidden = self.body(input_ids=summary_ids, attention_mask=mask,  # (N, S) right
+                               position_ids=loaders.positions(mask)[:, prompt_ids.shape[1]:],
+                               use_cache=True, **{name: cache}).last_hidden_state  # (N, S, d)
         return self.read_score(hidden, summary_mask)
+
+    def trained_precision(self):
+        """The body's passes at the precision it was trained in (--precision, config.json),
+        whatever autocast the caller set: one judge, one precision, in every script."""
+        return loaders.at_precision(self.settings.get("precision", "fp32"),
+                                    self.head.weight.device)
 
     def read_score(self, hidden, mask):
         """(R2) and (R3) at the last column where mask is 1. hidden (B, L, d) -> (B,)."""

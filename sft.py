@@ -194,13 +194,16 @@ def train(policy, tokenizer, train_posts, held_out, cfg, device):
 
 # ---------------------------------------------------------- plumbing: the run and main
 
-def sampling_config(cfg):
+def sampling_config(cfg, device):
     """ppo.py's settings for sampling the held-out rows: its preset's (the post's sampler, its
-    batch), this run's prompt budget and length, fp32, the judge's content score. With the
-    same settings ppo.py's reference row, sampled from the saved model, is the SFT row."""
-    return ppo.Config(**{**ppo.PRESETS[cfg.preset], "prompt_tokens": cfg.prompt_tokens,
-                         "max_new_tokens": cfg.max_new_tokens, "eval_prompts": cfg.eval_prompts,
-                         "precision": "fp32", "model": cfg.model})
+    batch, its precision on this device: bf16 where the blog preset's `auto` finds it native),
+    this run's prompt budget and length, the judge's content score. With the same settings
+    ppo.py's reference row, sampled from the saved model, is the SFT row on every device."""
+    sampling = ppo.Config(**{**ppo.PRESETS[cfg.preset], "prompt_tokens": cfg.prompt_tokens,
+                             "max_new_tokens": cfg.max_new_tokens,
+                             "eval_prompts": cfg.eval_prompts, "model": cfg.model})
+    sampling.precision = loaders.resolve_precision(sampling.precision, device)
+    return sampling
 
 
 def saved_bytes(model):
@@ -234,7 +237,7 @@ def run(cfg, staging, start):
     curve = train(policy, tokenizer, train_posts, held_out, cfg, device)
     sft_model = merge_lora(policy)              # W' = W + (alpha / r) B A, in the copy
 
-    sampling = sampling_config(cfg)
+    sampling = sampling_config(cfg, device)
     rows, samples = sft_rows(base, sft_model, judge, tokenizer, held_out, sampling, device,
                              ppo.rollouts)
     results = {"config": dataclasses.asdict(cfg), "curve": curve, "rows": rows,

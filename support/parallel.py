@@ -48,6 +48,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import loaders  # noqa: E402
 from support import cli  # noqa: E402
 
 # Rank 0 alone runs ppo.py's held-out evaluation while the others wait at their next
@@ -58,16 +59,24 @@ TIMEOUT = timedelta(hours=2)
 def setup():
     """Join torchrun's process group, when torchrun started this process; otherwise nothing.
 
-    NCCL and one GPU per process (LOCAL_RANK) with CUDA; gloo on the CPU. A rank other than 0
-    prints nothing. torchrun stops the other ranks with SIGTERM when one fails: it becomes
-    SystemExit here, so that the cleanups run (no half-made run folder is left behind).
+    NCCL and one GPU per process (LOCAL_RANK) on CUDA; gloo on the CPU, also where CUDA is
+    visible but $RLHF_DEVICE=cpu (loaders.pick_device). A rank other than 0 prints nothing.
+    torchrun stops the other ranks with SIGTERM when one fails: it becomes SystemExit here,
+    so that the cleanups run (no half-made run folder is left behind).
     """
     if "RANK" not in os.environ or dist.is_initialized():
         return
-    if torch.cuda.is_available():
+    device = loaders.pick_device()
+    if device.type == "cuda":
+        ranks, gpus = int(os.environ["LOCAL_WORLD_SIZE"]), torch.cuda.device_count()
+        if ranks > gpus:
+            raise cli.UserError(f"torchrun: {ranks} processes on this machine and {gpus} "
+                                f"GPU{'s' * (gpus > 1)}: NCCL needs one GPU per process "
+                                f"(--nproc_per_node {gpus}), or {loaders.DEVICE_ENV}=cpu "
+                                "for gloo on the CPU")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         backend = "nccl"
-    elif torch.backends.mps.is_available():
+    elif device.type == "mps":
         raise cli.UserError("torchrun: Apple's MPS has no collective backend in PyTorch; run "
                             "`python` instead (one process)")
     else:
@@ -175,6 +184,20 @@ def seed_sampling(seed):
 
 
 def rng_states():
-    """Every rank's torch RNG state, in rank order (a collective: every rank calls it)."""
-    state = torch.get_rng_state()
-    return list(gather(state[None])) if size() > 1 else [state]
+    """Every rank's RNG states, in rank order: [{"torch": the CPU generator's, "cuda": the
+    current GPU's, where CUDA is present}] (a collective: every rank calls it). Sampling on
+    a GPU draws from its own generator, so a checkpoint without it does not resume exactly."""
+    states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    if size() == 1:
+        return [states]
+    gathered = {kind: gather(state[None]) for kind, state in states.items()}   # (ranks, n)
+    return [{kind: gathered[kind][r] for kind in states} for r in range(size())]
+
+
+def set_rng_states(states):
+    """This rank's RNG states, as `rng_states` returned them."""
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])

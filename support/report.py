@@ -209,8 +209,9 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
                 tensors[f"{i}.{key}"] = value.contiguous()
             else:
                 scalars[f"{i}.{key}"] = float(value)
-    for rank, state in enumerate(rng):
-        tensors["rng.torch" + (f".{rank}" if rank else "")] = state
+    for rank, states in enumerate(rng):                 # "rng.torch", "rng.cuda.1", ...
+        for kind, state in states.items():
+            tensors[f"rng.{kind}" + (f".{rank}" if rank else "")] = state
 
     def make(staging):                          # a stop half-way leaves the old checkpoint
         save_adapter(policy, staging / "adapter.safetensors")
@@ -243,19 +244,23 @@ def load_checkpoint(run_dir, policy, value_head, optimizer):
     groups = saved["param_groups"]
     restored = {}
     for name, value in list(tensors.items()) + list(state["optimizer_scalars"].items()):
-        if name.startswith("rng.torch"):
+        if name.startswith("rng."):
             continue
         index, key = name.split(".", 1)
         restored.setdefault(int(index), {})[key] = (value if torch.is_tensor(value)
                                                     else torch.tensor(value))
     optimizer.load_state_dict({"state": restored, "param_groups": groups})
-    rank = parallel.rank()
-    name = "rng.torch" + (f".{rank}" if rank else "")
-    if name not in tensors:
+    suffix = f".{parallel.rank()}" if parallel.rank() else ""
+    if f"rng.torch{suffix}" not in tensors:
         raise cli.UserError(f"--resume: the checkpoint in {folder} was written by fewer "
                             f"processes than this run's {parallel.size()}; resume it with "
                             "as many as it had")
-    torch.set_rng_state(tensors[name])
+    states = {kind: tensors[f"rng.{kind}{suffix}"] for kind in ("torch", "cuda")
+              if f"rng.{kind}{suffix}" in tensors}
+    if torch.cuda.is_available() and "cuda" not in states:
+        print(f"note: the checkpoint in {folder} has no CUDA RNG state (written on a CPU or "
+              "by an older version): the run continues, but not as an uninterrupted one")
+    parallel.set_rng_states(states)
     return state["iteration"] + 1, state["beta"], state.get("reinforce_baseline")
 
 

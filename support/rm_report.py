@@ -28,7 +28,9 @@ from support.rm_data import cut_to_shorter, length_neighbours, off_post_pairs
 
 
 def pairwise_accuracy(r_w, r_l):
-    """Fraction of comparisons ranked right; an exact tie counts one half."""
+    """Fraction of comparisons ranked right; an exact tie counts one half. Counted on the
+    CPU: Apple's MPS has no float64."""
+    r_w, r_l = r_w.cpu(), r_l.cpu()
     return ((r_w > r_l).double() + 0.5 * (r_w == r_l).double()).mean().item()
 
 
@@ -58,8 +60,8 @@ def pair_metrics(r_w, r_l, len_w, len_l):
     accuracy = pairwise_accuracy(r_w, r_l)
     low, high = wilson_interval(accuracy, n)
     shorter = len_w < len_l                                                 # (n,) bool
-    both = torch.stack([torch.cat([r_w, r_l]).double(),
-                        torch.cat([len_w, len_l]).double()])                # (2, 2n)
+    both = torch.stack([torch.cat([r_w, r_l]).cpu().double(),             # float64 on the
+                        torch.cat([len_w, len_l]).cpu().double()])          # CPU: (2, 2n)
     out = {"heldout_accuracy": accuracy, "wilson_low": low, "wilson_high": high,
            "shorter_preferred_accuracy": (pairwise_accuracy(r_w[shorter], r_l[shorter])
                                           if shorter.any() else nan),
@@ -81,7 +83,7 @@ def human_minus_reference_sd(human, reference):
     How many of the reference policy's own spreads separate a person's TL;DR from what
     SmolLM2 writes for the same posts; the SD is the sample SD (n - 1).
     """
-    human, reference = torch.as_tensor(human).double(), torch.as_tensor(reference).double()
+    human, reference = (torch.as_tensor(x).cpu().double() for x in (human, reference))
     return ((human.mean() - reference.mean()) / reference.std()).item()
 
 
@@ -117,7 +119,7 @@ def relevance(score, eos, prompts, summaries, seed):
     in `eos`), called once; prompts: [prompt ids]; summaries: [summary ids, no EOS].
     """
     rows_p, rows_s, sizes = relevance_rows(prompts, summaries, eos, seed)
-    own, other, home, away = score(rows_p, rows_s).split(sizes)             # (n,) x2, (m,) x2
+    own, other, home, away = score(rows_p, rows_s).cpu().split(sizes)       # (n,) x2, (m,) x2
     accuracy = pairwise_accuracy(own, other)
     low, high = wilson_interval(accuracy, sizes[0])
     # gap_sd = mean_p (f(x_p, y_p) - f(x_q, y_p)) / SD_p f(x_p, y_p)

@@ -10,6 +10,10 @@ from pathlib import Path
 # they wait would take the 2 cores from them (the scripts alone keep OpenMP's spinning
 # default: support/parallel.py). Read before torch loads OpenMP, and inherited by the scripts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every script a test starts, and every device this process picks, is on the CPU unless the
+# run says otherwise (`RLHF_DEVICE=cuda pytest`): a test of equal numbers compares one device
+# with itself. The tests meant for a GPU name it themselves (tests/test_devices.py).
+os.environ.setdefault("RLHF_DEVICE", "cpu")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

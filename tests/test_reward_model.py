@@ -347,6 +347,7 @@ def test_under_bf16_the_head_reads_in_fp32_and_scores_stay_near_fp32s():
                          .manual_seed(22))                                 # (B, L, d)
     with torch.no_grad():
         fp32 = model(ids, mask)                                            # (B,)
+        model.settings["precision"] = "bf16"                # as trained with --precision bf16
         with bf16():
             half = model(ids, mask)
             head_on = model.read_score(hidden, mask)
@@ -356,12 +357,31 @@ def test_under_bf16_the_head_reads_in_fp32_and_scores_stay_near_fp32s():
     assert (half - fp32).abs().max().item() < 0.05 * max(1.0, fp32.abs().max().item())
 
 
+def test_a_judge_scores_at_the_precision_it_was_trained_in_whatever_the_caller_sets():
+    """One judge, one precision: trained in fp32, it scores the same bits inside PPO's bf16
+    bodies (autocast on) as outside, through both of its passes; trained in bf16, it scores
+    in bf16 without the caller asking."""
+    model, _ = tiny_model()
+    sequences = rows((4, 17, 30, 9), seed=23)
+    ids, mask = rm_data.pad(sequences, 2, "right", "cpu")                  # (B, L)
+    prompts, summaries = sequences[:2], [s[:5] + [2] for s in sequences]
+    owner = torch.tensor([0, 0, 1, 1])
+    with torch.no_grad():
+        fp32, shared = model(ids, mask), model.forward_shared(prompts, summaries, owner)
+        with bf16():
+            assert torch.equal(model(ids, mask), fp32)
+            assert torch.equal(model.forward_shared(prompts, summaries, owner), shared)
+        model.settings["precision"] = "bf16"
+        assert not torch.equal(model(ids, mask), fp32)      # bf16 with no caller's autocast
+
+
 def test_a_bf16_training_step_moves_the_adapter_as_an_fp32_step_does():
     """The same batch, fp32 and under bf16 autocast: the loss within bf16's rounding and
     each trained tensor's gradient pointing the same way (cosine > 0.99)."""
     batch, after = post_batch(), []
     for on in (False, True):
         model, _ = tiny_model()
+        model.settings["precision"] = "bf16" if on else "fp32"
         with torch.no_grad():
             model.length_weight.fill_(0.7)
         config = rm.Config(**rm.PRESETS["tiny"])

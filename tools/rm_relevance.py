@@ -44,7 +44,8 @@ def main(argv=None):
                         help="the model whose samples the third set holds (default: the one "
                              "the judge started from)")
     args = parser.parse_args(argv)
-    model = rm.load_reward_model(args.reward_model)
+    device = loaders.pick_device()                  # as reward_model.py picked it
+    model = rm.load_reward_model(args.reward_model, device=device)
     path = Path(args.reward_model) / "metrics.json"
     with cli.reading(path, "the metrics.json that reward_model.py writes", KeyError):
         stored = json.loads(path.read_text())
@@ -56,7 +57,7 @@ def main(argv=None):
                               "--max-summary-tokens", str(model.settings["max_summary_tokens"])])
     data = rm_data.load_and_split(config)
     lm, tokenizer = loaders.load_policy_and_tokenizer(
-        config.model, preset="tiny" if preset == "tiny" else None)
+        config.model, preset="tiny" if preset == "tiny" else None, device=device)
     encoded, _ = rm_data.heldout_references(tokenizer, data, config)
     samples = rm_data.heldout_samples(lm, tokenizer, encoded, config)   # the run's draw
     score = functools.partial(rm.score_grouped, model, batch_rows=config.eval_batch,

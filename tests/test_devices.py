@@ -1,0 +1,176 @@
+"""The post's machines: which device a script uses, bf16 where it is native, the RNG a
+checkpoint keeps, no float64 on a device (Apple's MPS has none), and left padding.
+
+- $RLHF_DEVICE names the device every script uses (the tests set it to the CPU in conftest.py,
+  so that a test of equal numbers compares one device with itself); a bad or absent device is
+  one line.
+- bf16 is native on CUDA from compute capability 8.0 (a T4 or a V100 only emulates it).
+- A checkpoint restores the CPU generator, and the GPU's where there is one: `generate` on
+  CUDA draws from the GPU's, so without it `--resume` would not repeat the run. On CUDA, a
+  resumed tiny run equals an uninterrupted one.
+- tests/device_rules.py's mode raises at a float64 tensor off the CPU; on CUDA the tiny
+  pipeline (sft.py, reward_model.py, ppo.py) runs to the end under it.
+- Left-padded prompts of real lengths give finite log-probs, equal to each row run alone, in
+  fp32 and bf16, on the CPU and on CUDA.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import loaders
+import ppo
+import reward_model as rm
+import sft
+from device_rules import Float64OnDevice, NoFloat64OnDevice
+from lora import with_lora
+from support import cli, parallel, report
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def test_rlhf_device_names_the_device_and_a_bad_one_is_one_line(monkeypatch):
+    monkeypatch.setenv("RLHF_DEVICE", "cpu")
+    assert loaders.pick_device() == torch.device("cpu")
+    assert loaders.default_preset() == "cpu"
+    monkeypatch.setenv("RLHF_DEVICE", "gpu0")
+    with pytest.raises(cli.UserError, match=r"\$RLHF_DEVICE=gpu0: not a device"):
+        loaders.pick_device()
+    if not CUDA:
+        monkeypatch.setenv("RLHF_DEVICE", "cuda")
+        with pytest.raises(cli.UserError, match=r"\$RLHF_DEVICE=cuda: no cuda device here"):
+            loaders.pick_device()
+
+
+def test_a_script_started_with_a_bad_device_stops_in_one_line(tmp_path):
+    env = dict(os.environ, RLHF_DEVICE="tpu")
+    done = subprocess.run([sys.executable, "ppo.py", "--preset", "tiny", "--out",
+                           str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "ppo.py: error: $RLHF_DEVICE=tpu: not a device (cpu, cuda, cuda:N or mps)"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("capability,native", [((7, 0), False), ((7, 5), False),
+                                               ((8, 0), True), ((9, 0), True)])
+def test_bf16_is_native_on_cuda_from_compute_capability_8(monkeypatch, capability, native):
+    """V100 (7.0) and T4 (7.5) emulate bf16, which torch.cuda.is_bf16_supported counts."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert loaders.native_bf16("cuda") is native
+    assert loaders.resolve_precision("auto", "cuda") == ("bf16" if native else "fp32")
+
+
+def tiny_state(tokenizer, device):
+    """A policy with the adapter, a value head and an optimizer with moments, on `device`."""
+    policy = with_lora(loaders.tiny_model(tokenizer, device=device))
+    value_head = ppo.ValueHead(policy.config.hidden_size).to(device)
+    optimizer, trainable = ppo.make_optimizer(policy, value_head, ppo.Config(lr=1e-3))
+    sum(p.sum() for p in trainable).backward()
+    optimizer.step()
+    return policy, value_head, optimizer
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_a_checkpoint_restores_every_generator_sampling_draws_from(tokenizer, tmp_path, device):
+    """After a checkpoint, the draws that follow it; after loading it, the same draws again,
+    on the CPU's generator and, where CUDA is, on the GPU's (where `generate` draws there)."""
+    policy, value_head, optimizer = tiny_state(tokenizer, device)
+    torch.manual_seed(5)
+    torch.rand(7, device=device)                        # move the generators on a little
+    report.save_checkpoint(tmp_path, 0, policy, value_head, optimizer, controller_beta=0.1)
+
+    def draws():
+        return [torch.rand(5).tolist()] + ([torch.rand(5, device="cuda").tolist()]
+                                           if CUDA else [])
+    after_saving = draws()
+    assert report.load_checkpoint(tmp_path, policy, value_head, optimizer)[:2] == (1, 0.1)
+    assert draws() == after_saving
+    states = parallel.rng_states()
+    assert len(states) == 1 and ("cuda" in states[0]) == CUDA
+
+
+@pytest.mark.slow
+@needs_cuda
+def test_a_resumed_run_on_cuda_repeats_the_uninterrupted_one(tiny_reward_model, tmp_path):
+    """ppo.py's tiny preset on the GPU: 4 iterations straight, and 2 then --resume to 4."""
+    env = dict(os.environ, RLHF_DEVICE="cuda")
+    common = ["ppo.py", "--preset", "tiny", "--reward-model", str(tiny_reward_model),
+              "--beta", "0.1", "--checkpoint-every", "2"]
+
+    def run(*args):
+        done = subprocess.run([sys.executable, *common, *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+    assert "on cuda" in run("--iterations", "4", "--out", str(tmp_path / "straight"))
+    run("--iterations", "2", "--out", str(tmp_path / "resumed"))
+    run("--iterations", "4", "--out", str(tmp_path / "resumed"), "--resume")
+    straight, resumed = (json.loads((tmp_path / name / "results.json").read_text())
+                         for name in ("straight", "resumed"))
+    assert report.differences(resumed, straight) == []
+
+
+def test_the_float64_rule_raises_off_the_cpu_and_allows_the_cpu():
+    """On the meta device (no memory, no GPU needed) as it would on CUDA or MPS."""
+    with NoFloat64OnDevice():
+        torch.zeros(3, dtype=torch.float64).sum()           # the CPU: allowed
+        x = torch.zeros(3, device="meta")
+        x.float() + 1                                       # float32 off the CPU: allowed
+        for make in (lambda: x.double(), lambda: x.to(torch.float64),
+                     lambda: torch.zeros(2, dtype=torch.float64, device="meta"),
+                     lambda: x + torch.zeros(3, dtype=torch.float64, device="meta")):
+            with pytest.raises(Float64OnDevice, match="float64 tensor on meta"):
+                make()
+
+
+@pytest.mark.slow
+@needs_cuda
+def test_the_tiny_pipeline_on_cuda_makes_no_float64_on_the_device(tmp_path, monkeypatch,
+                                                                    data_dir):
+    """sft.py, reward_model.py and ppo.py at the tiny preset, in this process, on the GPU,
+    under Apple's rule: none of them makes a float64 tensor on the device."""
+    monkeypatch.setenv("RLHF_DEVICE", "cuda")
+    out = {name: str(tmp_path / name) for name in ("sft", "judge", "ppo")}
+    with NoFloat64OnDevice():
+        sft.main(["--preset", "tiny", "--out", out["sft"], "--reward-model", out["judge"]])
+        rm.main(["--preset", "tiny", "--out", out["judge"]])
+        ppo.main(["--preset", "tiny", "--model", out["sft"], "--reward-model", out["judge"],
+                  "--beta", "0.1", "--out", out["ppo"]])
+    results = json.loads((tmp_path / "ppo" / "results.json").read_text())
+    assert results["iterations"][0]["ratio_min"] == results["iterations"][0]["ratio_max"] == 1.0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_left_padded_prompts_of_real_lengths_give_the_rows_own_log_probs(
+        tokenizer, tldr_posts, device, precision):
+    """Six posts cut to 40-160 tokens, left-padded into one batch: every log-prob is finite
+    and equals the row run alone (fp32 to 1e-4; bf16, whose rounding depends on the shapes,
+    to 0.1 nats), under the same path PPO uses (`ppo.token_log_probs`)."""
+    model = loaders.tiny_model(tokenizer, device=device)
+    cfg = ppo.Config(precision=precision)
+    posts = [{**p, "prompt": loaders.fit_prompt(tokenizer, p, budget)}
+             for p, budget in zip(tldr_posts[:6], (40, 160, 64, 128, 90, 50))]
+    prompt_ids, prompt_mask = loaders.encode(tokenizer, [p["prompt"] for p in posts], device)
+    assert len(set(prompt_mask.sum(1).tolist())) == 6               # six real lengths
+    g = torch.Generator().manual_seed(0)
+    actions = torch.randint(100, 5000, (6, 12), generator=g).to(device)     # (B, T)
+    with torch.no_grad(), loaders.precision(cfg, device):
+        batch = ppo.token_log_probs(model, torch.cat([prompt_ids, actions], 1),
+                                    ppo.full_mask(prompt_mask, actions), actions)    # (B, T)
+        alone = torch.cat([ppo.token_log_probs(model, torch.cat([ids[m.bool()][None], a[None]], 1),
+                                               torch.ones(1, int(m.sum()) + len(a),
+                                                          dtype=m.dtype, device=device),
+                                               a[None])
+                           for ids, m, a in zip(prompt_ids, prompt_mask, actions)])  # (B, T)
+    assert torch.isfinite(batch).all()
+    tolerance = 1e-4 if precision == "fp32" else 0.1
+    assert (batch - alone).abs().max().item() < tolerance
