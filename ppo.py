@@ -35,7 +35,8 @@ Departures from the post, each repeated at its line:
        estimator, a missing-EOS penalty, the entropy bonus (12), the ptx loss (13).
     7. Speed and memory, same algorithm: micro-batches of similar prompt lengths, each cut to
        its own padding (same gradient); `--precision bf16` runs the bodies under autocast
-       while log-probs, values and losses stay fp32 (the ratio is still exactly 1).
+       while log-probs, values and losses stay fp32 (the ratio is still exactly 1); on CUDA
+       `generate` samples over a static KV cache replayed as a CUDA graph (decoding.py).
     8. The reward is the reward model's content score f, without its length term
        (reward_model.py); `--reward full` maximises f + w g(length).
     9. `--estimator rloo | reinforce | grpo` (the PPO/RLOO note, gae.py): the response as one
@@ -67,6 +68,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+import decoding
 import ppo_kernels
 import loaders
 import reward_model as rm
@@ -113,11 +115,16 @@ def generate(model, prompt_ids, prompt_mask, cfg, eos_id):
     out: sequences (B, P+T) and actions (B, T), T <= max_new_tokens. After a row's
     first EOS, generate pads with EOS (SmolLM2's pad id), so `response_mask` later
     keeps positions up to and including the first EOS, never `!= pad`.
+    --decoding: Hugging Face's `generate` (the post's call; `auto` off CUDA), or the same
+    sampler over a static KV cache (decoding.py), replayed as a CUDA graph (`auto` on CUDA).
     """
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True,
-                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                         top_k=cfg.top_k, top_p=cfg.top_p, pad_token_id=eos_id)
-    return out, out[:, prompt_ids.shape[1]:]                    # (B, P+T), (B, T)
+    if cfg.decoding == "hf" or (cfg.decoding == "auto" and not prompt_ids.is_cuda):
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True,
+                             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                             top_k=cfg.top_k, top_p=cfg.top_p, pad_token_id=eos_id)
+        return out, out[:, prompt_ids.shape[1]:]                # (B, P+T), (B, T)
+    return decoding.sample(model, prompt_ids, prompt_mask, cfg, eos_id,
+                           graph=cfg.decoding == "auto")        # (B, P+T), (B, T)
 
 
 def full_mask(prompt_mask, actions):
@@ -633,6 +640,10 @@ class Config:
                                 "and inner-step passes; same gradient, less memory")
     precision: str = option("fp32", "fp32 (the post), bf16 (the bodies under autocast, "
                                   "departure 7) or auto: bf16 on native bf16 matmuls")
+    decoding: str = option("auto", "how summaries are sampled: hf (Hugging Face's generate, "
+                                   "the post's), static (the same sampler over a static KV "
+                                   "cache, decoding.py) or auto: static replayed as a CUDA "
+                                   "graph on CUDA, hf elsewhere")
     eval_prompts: int = option(64, "held-out prompts for the final evaluation")
     checkpoint_every: int = option(10, "save a resumable checkpoint every N iterations")
     reward_model: str = option("runs/reward_model", "folder written by reward_model.py")
@@ -668,6 +679,7 @@ PRESETS = {
 # are checked right after parsing, before anything loads; a bad value exits with one line.
 CHOICES = {"preset": ("auto", "blog", "cpu", "tiny"), "reward": rm.PARTS,
            "kl_estimator": ("k1", "k3"), "precision": ("fp32", "bf16", "auto"),
+           "decoding": ("auto", "hf", "static"),
            "estimator": ESTIMATORS, "value_init": ("post", "zero", "reward")}
 RANGES = {
     "beta": cli.NON_NEGATIVE, "seeds": cli.NON_NEGATIVE, "iterations": cli.COUNT,
@@ -719,7 +731,7 @@ RESUME_MAY_CHANGE = ("iterations", "checkpoint_every", "eval_prompts", "micro_ba
 # The settings printed when a run starts
 SHOWN = ("estimator", "iterations", "batch", "samples_per_prompt", "prompt_tokens",
          "max_new_tokens", "inner_steps", "lr", "value_lr", "clip", "gamma", "lam", "micro_batch",
-         "precision", "eval_prompts", "kl_estimator", "target_kl", "reward")
+         "precision", "decoding", "eval_prompts", "kl_estimator", "target_kl", "reward")
 ESTIMATOR_NOTE = {"rloo": "the other samples of the same prompt",
                   "reinforce": "a moving average of the rewards",
                   "grpo": "the mean of the prompt's samples"}

@@ -46,7 +46,7 @@ MEASURES = 5
 OUTSIDE = ("rouge_l", "retrieval_rank", "relevance_gap", "question", "asks_help")  # per sample
 BASELINE_KEY = ("model", "reward_model", "reward", "data_dir", "preset", "prompt_tokens",
                 "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts", "batch",
-                "samples_per_prompt", "precision")
+                "samples_per_prompt", "precision", "decoding")
 
 
 def outside_measures(samples, held_out, reward, tokenizer, written=False, human=False):
@@ -116,7 +116,7 @@ def fingerprint(cfg, models, held_out):
         path = Path(cfg.reward_model) / name
         digest.update(path.read_bytes() if path.is_file() else b"-")
     for weight in (reference.get_input_embeddings().weight, reference.lm_head.weight):
-        digest.update(repr(float(weight.detach()[:256].double().sum())).encode())
+        digest.update(repr(float(weight.detach()[:256].cpu().double().sum())).encode())
     posts = [[p["prompt"], p["summary"], p.get("openai_1b")] for p in held_out]
     digest.update(json.dumps([posts, str(device), torch.__version__]).encode())
     return digest.hexdigest()

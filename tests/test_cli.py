@@ -58,6 +58,7 @@ CASES = [
     (f"{PPO} --prompt-tokens 10", "--prompt-tokens"),  # less than the template itself
     (f"{PPO} --preset huge", "--preset"),
     (f"{PPO} --reward length", "--reward"),
+    (f"{PPO} --decoding graph", "--decoding"),
     # ppo.py: folders and files
     (f"{PPO} --out {{w}}/a_file", "a_file"),
     (f"{PPO} --data-dir {{w}}/missing", "--data-dir"),
