@@ -91,6 +91,7 @@ class NoDataError(DataError):
 
 
 DEVICE_ENV = "RLHF_DEVICE"          # cpu, cuda or mps: the device every script uses
+RANDOM_WEIGHTS = "RANDOM_WEIGHTS"   # a file in save_architecture's folders: no weights, on purpose
 
 
 def pick_device():
@@ -210,6 +211,14 @@ def check_common_args(parser, config):
     if model.startswith((".", "/", "~")) and not Path(model).expanduser().is_dir():
         parser.error(f"argument --model: {model} is not a folder (pass a folder saved with "
                      "save_pretrained, or a hub id such as " + POLICY_NAME + ")")
+    # A folder named on purpose must hold a model (the default, runs/sft, falls back:
+    # start_model); a half-written one would end in a transformers traceback
+    folder = Path(model).expanduser()
+    if model != SFT_MODEL and folder.is_dir() and not is_model_folder(folder) \
+            and not (folder / RANDOM_WEIGHTS).is_file():
+        parser.error(f"argument --model: {model} holds no model (no config.json and "
+                     "*.safetensors saved by save_pretrained, as sft.py writes them; a run "
+                     "stopped half-way leaves none)")
 
 
 # ----------------------------------------------------------------------------- models
@@ -309,13 +318,12 @@ def load_tokenizer(name=POLICY_NAME):
 def load_model(name=POLICY_NAME, device="cpu"):
     """The pretrained causal LM in fp32, frozen and in eval mode (dropout off).
 
-    A folder with a config.json but no weights gives that architecture with random weights
-    (seed 0): the same FLOPs, for timing on a machine with no copy of the weights
-    (`bench_ppo.py --check-gpu`)."""
+    A folder made by `save_architecture` (its config.json, no weights, the RANDOM_WEIGHTS
+    file) gives that architecture with random weights (seed 0): the same FLOPs, for timing
+    on a machine with no copy of the weights (`tools.check_gpu`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     where, kwargs = resolve_model(name)
-    if Path(where).is_dir() and not any(Path(where).glob("*.safetensors")) \
-            and not any(Path(where).glob("*.bin")):
+    if (Path(where) / RANDOM_WEIGHTS).is_file():
         with cli.reading(Path(where) / "config.json", "a model config saved by save_pretrained"):
             config = AutoConfig.from_pretrained(where)
         print(f"{where} has no weights: random weights of its architecture (timing only)")
@@ -330,7 +338,8 @@ def load_model(name=POLICY_NAME, device="cpu"):
 
 def save_architecture(folder, vocab_size=None):
     """config.json and the tokenizer of the local SmolLM2, without its weights, into `folder`
-    (optionally with another vocabulary size): what `load_model` turns into random weights."""
+    (optionally with another vocabulary size), and the RANDOM_WEIGHTS file that says so: what
+    `load_model` turns into random weights."""
     from transformers import AutoConfig
     where, kwargs = resolve_model(POLICY_NAME)
     config = AutoConfig.from_pretrained(where, **dict(kwargs))
@@ -339,6 +348,8 @@ def save_architecture(folder, vocab_size=None):
     Path(folder).mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
     load_tokenizer().save_pretrained(folder)
+    (Path(folder) / RANDOM_WEIGHTS).write_text("No weights here: load_model gives this "
+                                               "architecture random weights, for timing.\n")
     return Path(folder)
 
 
@@ -404,8 +415,9 @@ def start_model(name, preset):
     if name != SFT_MODEL or (preset != "tiny" and is_model_folder(name)):
         return name
     if preset != "tiny":
-        print(f"no SFT model in {SFT_MODEL} (`python sft.py` writes it): starting from "
-              f"{POLICY_NAME}, which never saw a TL;DR")
+        half = " (the folder holds none: a run stopped half-way?)" * Path(name).is_dir()
+        print(f"no SFT model in {SFT_MODEL}{half} (`python sft.py` writes it): starting "
+              f"from {POLICY_NAME}, which never saw a TL;DR")
     return POLICY_NAME
 
 

@@ -113,6 +113,7 @@ from support import cli, rm_data, rm_report
 from support.config import option, read_config
 from support.disk import check_room, holding, write_aside
 from support.rm_data import encode, pad
+from support.report import check_finite
 from support.rm_report import (human_minus_reference_sd, pair_metrics,
                                pairwise_accuracy)
 
@@ -612,6 +613,7 @@ def train(model, pairs, config):
             rng.shuffle(batches)                 # shuffles the order of batches, each epoch
             for batch in batches:
                 loss, accuracy = train_step(model, optimizer, batch, merge)
+                check_finite(len(losses) + 1, "step", loss=loss)    # one line, nothing saved
                 schedule.step()
                 losses.append(loss)
                 right, seen = right + accuracy * len(batch), seen + len(batch)

@@ -48,6 +48,7 @@ from lora import merge_lora, with_lora
 from support import cli, disk
 from support.config import option, read_config
 from support.heldout import sft_rows, write_samples_page
+from support.report import check_finite
 
 
 @dataclass
@@ -177,7 +178,9 @@ def train(policy, tokenizer, train_posts, held_out, cfg, device):
         # departure 3: the posts of this step, as ppo.py draws an iteration's prompts
         posts = loaders.batch_for(train_posts, step, cfg.batch, cfg.seed)
         optimizer.zero_grad(set_to_none=True)
-        recent.append(sft_loss(policy, tokenizer, posts, cfg.micro_batch, device))
+        loss = sft_loss(policy, tokenizer, posts, cfg.micro_batch, device)
+        check_finite(step + 1, "step", loss=loss)   # NaN or inf: one line, nothing saved
+        recent.append(loss)
         optimizer.step()
         schedule.step()
         bar.set_postfix(loss=f"{sum(recent) / len(recent):.2f}",

@@ -20,12 +20,18 @@ starting value. Both paths compute the same quantities with fp32 accumulation an
 against one float64 oracle, so switching backend never changes what a function means.
 
 Triton is optional: without it (macOS) everything runs on the fallback and
-set_backend("triton") raises.
+set_backend("triton") raises. Where it is installed but cannot build a kernel (no C compiler,
+no CUDA driver library), "auto" finds out once, on its first CUDA tensor, by building the
+log-prob kernel on a tiny input: one line says so and the fallback runs; "triton" stops there
+with the same line (RLHF_KERNELS_BACKEND=torch skips the attempt).
 
 Test:  python -m pytest -q tests/test_kernels.py
 Bench: python -m tools.bench_kernels
 """
+import functools
 import os
+
+import torch
 
 from . import clipped_loss, fused_linear, logprob
 
@@ -49,8 +55,30 @@ def set_backend(name):
 def _resolve(tensor):
     """The one place a backend is picked: 'triton' or 'torch' for this input."""
     if _backend == "auto":
-        return "triton" if tensor.is_cuda and logprob.triton is not None else "torch"
+        return ("triton" if tensor.is_cuda and logprob.triton is not None
+                and triton_builds(tensor.device) else "torch")
+    if _backend == "triton" and tensor.is_cuda and not triton_builds(tensor.device):
+        raise RuntimeError(triton_builds.why)
     return _backend
+
+
+@functools.lru_cache(maxsize=None)
+def triton_builds(device):
+    """Whether Triton can build and run a kernel on `device` (once per device): the log-prob
+    of a (1, 16) input. When it cannot, prints one line with the reason, kept as `.why`."""
+    try:
+        logits = torch.zeros(1, 16, device=device)
+        logprob.gather_log_probs(logits, torch.zeros(1, dtype=torch.long, device=device),
+                                 backend="triton")
+        return True
+    except Exception as error:              # a compiler, a driver library: whatever it lacks
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        triton_builds.why = (f"Triton cannot build its kernels on {device} ({reason}): "
+                             "RLHF_KERNELS_BACKEND=torch runs the PyTorch path, which computes "
+                             "the same")
+        if _backend == "auto":
+            print(f"note: {triton_builds.why}; taking it")
+        return False
 
 
 def gather_log_probs(logits, actions, temperature=1.0, return_entropy=False):

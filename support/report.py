@@ -298,6 +298,7 @@ def iteration_row(iteration, *, rewards, per_token, kl, values, ret, mask, actio
     return {"iteration": iteration, "responses": len(rewards), "reward": rewards.mean().item(),
             "non_score_reward": non_score.mean().item(), "kl": per_seq_kl.mean().item(),
             "response_length": m.sum(-1).float().mean().item(),
+            "new_tokens": actions.shape[1],                     # T: the decoding steps
             "eos_fraction": ended_with_eos(actions, m, eos).float().mean().item(),
             "entropy": avg("entropy"), "clipfrac": avg("clipfrac"),
             "approx_kl": avg("approx_kl"), "value_loss": avg("value_loss"),
@@ -615,16 +616,21 @@ class NonFiniteError(cli.UserError):
     """A score, reward, advantage or loss became NaN or inf: the run stops there."""
 
 
-def check_finite(iteration, **named):
-    """Stop at the first of the `named` tensors that holds a NaN or an inf.
+def check_finite(iteration, unit="iteration", **named):
+    """Stop at the first of the `named` tensors (or floats) that holds a NaN or an inf.
 
-    Called before the backward pass and the optimizer step, and before the iteration's
-    results row and checkpoint are written: the last checkpoint is the last good state.
-    Under torchrun it counts every rank's values, so every rank stops, or none.
+    ppo.py calls it before the backward pass and the optimizer step, and before the
+    iteration's results row and checkpoint are written: the last checkpoint is the last good
+    state; sft.py and reward_model.py at each step (unit "step"), before anything is saved.
+    Under torchrun it counts every rank's tensor values, so every rank stops, or none; a
+    float is a value every rank already shares (a loss summed over the ranks).
     """
     for name, x in named.items():
-        bad = parallel.total(int((~torch.isfinite(x)).sum()))     # every rank's: all stop
+        if torch.is_tensor(x):
+            bad, n = parallel.total(int((~torch.isfinite(x)).sum())), parallel.total(x.numel())
+        else:
+            bad, n = int(not math.isfinite(x)), 1
         if bad:
-            raise NonFiniteError(f"iteration {iteration}: the {name} is NaN or inf in "
-                                 f"{bad} of {parallel.total(x.numel())} values; stopped "
-                                 "there, and the last checkpoint (if any) is intact")
+            raise NonFiniteError(f"{unit} {iteration}: the {name} is NaN or inf in {bad} of "
+                                 f"{n} values; stopped there, and what was saved before it "
+                                 "(a checkpoint, the last complete run) is intact")

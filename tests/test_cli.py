@@ -63,6 +63,8 @@ CASES = [
     (f"{PPO} --out {{w}}/a_file", "a_file"),
     (f"{PPO} --data-dir {{w}}/missing", "--data-dir"),
     (f"{PPO} --model ./no_such_model", "--model"),
+    (f"{PPO} --model {{w}}/empty", "empty"),                      # a folder with no model
+    (f"{PPO} --model {{w}}/half_sft", "half_sft"),                # config.json, no weights
     (f"{PPO} --data-dir {{w}}/empty", "empty"),
     (f"{PPO} --data-dir {{w}}/bad_csv", "posts.csv"),
     (f"{PPO} --reward-model {{w}}/missing_rm", "missing_rm"),
@@ -92,6 +94,7 @@ CASES = [
     (f"{RM} --out {{w}}/a_file", "a_file"),
     (f"{RM} --out {{w}}/a_file/rm", "a_file"),
     (f"{RM} --data-dir {{w}}/empty", "--data-dir"),
+    (f"{RM} --model {{w}}/half_sft", "half_sft"),
     (f"{RM} --data-dir {{w}}/bad_batch", "batch1.json"),
     (f"{RM} --lora-layers 99", "--lora-layers"),
     (f"{RM} --max-prompt-tokens 24", "--max-prompt-tokens"),       # every title too long
@@ -111,6 +114,7 @@ CASES = [
     (f"{SFT} --out {{w}}/a_file", "a_file"),
     (f"{SFT} --data-dir {{w}}/missing", "--data-dir"),
     (f"{SFT} --model ./no_such_model", "--model"),
+    (f"{SFT} --model {{w}}/empty", "empty"),
     (f"{SFT} --data-dir {{w}}/empty", "empty"),
     (f"{SFT} --data-dir {{w}}/small --eval-prompts 40", "--eval-prompts"),
     (f"{SFT} --reward-model {{w}}/rm_bad_head", "head.safetensors"),
@@ -126,6 +130,8 @@ def world(tmp_path_factory, small_data):
     w = tmp_path_factory.mktemp("world")
     (w / "a_file").write_text("not a folder")
     (w / "empty").mkdir()
+    (w / "half_sft").mkdir()                            # sft.py's output, stopped half-way
+    (w / "half_sft" / "config.json").write_text('{"model_type": "llama"}')
     (w / "bad_csv" / "tldr_validation_samples").mkdir(parents=True)
     (w / "bad_csv" / "tldr_validation_samples" / "posts.csv").write_text("title,body\na,b\n")
     (w / "bad_batch" / "summarize_from_feedback_comparisons").mkdir(parents=True)

@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy
@@ -438,6 +439,31 @@ def test_set_backend():
         assert ppo_kernels.set_backend("torch") == "auto"
     finally:
         ppo_kernels.set_backend(previous)
+
+
+def test_where_triton_cannot_build_auto_takes_the_torch_path_in_one_line(monkeypatch, capsys):
+    """A CUDA tensor (a stand-in: only is_cuda and device are read; the probe's input goes to
+    the meta device) where the kernel's build fails, as without a C compiler: auto prints one
+    line and takes the fallback, once per device; a forced "triton" stops with that line,
+    which names the switch."""
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC")
+    monkeypatch.setattr(ppo_kernels.logprob, "gather_log_probs", no_compiler)
+    ppo_kernels.triton_builds.cache_clear()
+    gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("meta"))
+    previous = ppo_kernels.set_backend("auto")
+    try:
+        if ppo_kernels.logprob.triton is None:
+            pytest.skip("Triton is not installed: auto never tries it")
+        assert ppo_kernels._resolve(gpu) == ppo_kernels._resolve(gpu) == "torch"
+        out = capsys.readouterr().out.splitlines()
+        assert len(out) == 1 and "cannot build" in out[0] and "C compiler" in out[0]
+        ppo_kernels.set_backend("triton")
+        with pytest.raises(RuntimeError, match="RLHF_KERNELS_BACKEND=torch"):
+            ppo_kernels._resolve(gpu)
+    finally:
+        ppo_kernels.set_backend(previous)
+        ppo_kernels.triton_builds.cache_clear()
 
 
 def test_backend_environment_variable():

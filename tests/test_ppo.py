@@ -29,7 +29,7 @@ import loaders
 import ppo
 import reward_model as rm
 from support import heldout, measures, report
-from tools import compare_estimators, floors, same_numbers
+from tools import bench_kernels, check_gpu, compare_estimators, floors, same_numbers
 from gae import advantages_and_returns, response_mask, shaped_rewards, whiten
 from lora import with_lora
 
@@ -876,6 +876,32 @@ def test_check_gpu_dry_run_and_its_one_line_without_a_gpu(tmp_path):
         assert result.stderr.strip().splitlines() == [
             "tools.bench_ppo: error: no GPU found (torch.cuda.is_available() is False); "
             "--dry-run checks the command on the CPU"]
+
+
+def test_the_gpu_check_bounds_a_slow_path_as_a_row(monkeypatch, capsys):
+    """A command past its limit (or past what is left of the check's budget) is stopped and
+    says so; a kernel path past --path-timeout is a row of the table, not the end of it."""
+    deadline = check_gpu.Deadline(60)
+    start = time.time()
+    code, output = deadline.run(["python", "-c", "import time; time.sleep(30)"], 1)
+    assert code is None and output == "over 1 s, skipped" and time.time() - start < 15
+    assert deadline.run(["python", "-c", "print('hi')"], 30) == (0, "hi\n")
+    assert check_gpu.Deadline(-5).run(["python", "-c", "import time; time.sleep(30)"],
+                                      30)[0] is None                  # no budget left
+
+    def measure(path, rows, V, device, dtype, timeout):
+        if path == "compiled-linear":
+            raise bench_kernels.TooSlow(f"over {timeout:g} s, skipped")
+        return {"seconds": 0.01, "extra_bytes": 2**20}
+    monkeypatch.setattr(bench_kernels, "measure", measure)
+    paths = ["naive", "naive-linear", "fused-linear", "compiled-linear"]
+    res = bench_kernels.bench_size(64, 128, paths, "cuda", "float32", rounds=2, timeout=25)
+    assert res["compiled-linear"] == {"skipped": "over 25 s, skipped"}
+    assert res["fused-linear"]["seconds"] == 0.01
+    bench_kernels.print_table({(64, 128): res})
+    table = capsys.readouterr().out
+    assert "compiled-linear | naive-linear | over 25 s, skipped" in table     # its row
+    assert table.count("compiled-linear at 64x128: over 25 s") == 1   # tried once, not twice
 
 
 def test_same_numbers_finds_a_moved_number_and_lists_added_keys(tmp_path, capsys):

@@ -28,7 +28,7 @@ import loaders  # noqa: E402
 import lora  # noqa: E402
 import ppo  # noqa: E402
 import reward_model as rm  # noqa: E402
-from support import rm_data, rm_report  # noqa: E402
+from support import cli, rm_data, rm_report  # noqa: E402
 
 METRIC_KEYS = {"heldout_accuracy", "wilson_low", "wilson_high", "heldout_pairs",
                "length_baseline_accuracy", "shorter_preferred_accuracy", "train_pairs",
@@ -745,3 +745,18 @@ def test_rm_relevance_reruns_a_saved_judges_test_and_repeats_its_numbers(tiny_re
         assert pairs == want["pairs"]
         assert judge == before == round(want["accuracy"], 3)
         assert tfidf == round(want["tfidf"]["accuracy"], 3)
+
+
+def test_a_nan_loss_stops_the_judge_in_one_line_and_saves_nothing(tmp_path, monkeypatch,
+                                                                  data_dir):
+    real, calls = rm.train_step, []
+
+    def train_step(*args):
+        calls.append(real(*args))
+        return (float("inf"), calls[-1][1]) if len(calls) == 3 else calls[-1]
+    monkeypatch.setattr(rm, "train_step", train_step)
+    with pytest.raises(SystemExit) as stop:
+        cli.run_script(rm.main, ["--preset", "tiny", "--out", str(tmp_path / "judge")])
+    assert str(stop.value.code).startswith("reward_model.py: error: step 3: the loss is NaN")
+    assert "\n" not in str(stop.value.code) and len(calls) == 3
+    assert list(tmp_path.iterdir()) == []

@@ -254,3 +254,21 @@ def test_a_judge_is_read_on_the_sft_models_samples(tiny_sft, tiny_reward_model):
                if line.startswith("samples, held-out posts"))
     assert row[-4] == "-"                               # not the draw metrics.json scored
     assert 0 <= float(row[-7]) <= 1
+
+
+def test_a_nan_loss_stops_sft_in_one_line_and_saves_nothing(tmp_path, monkeypatch, data_dir):
+    """A non-finite loss at step 2 (as a broken GPU kernel would give) ends the script with
+    one line naming the step, before the optimizer steps on it; no folder is written."""
+    real, calls = sft.sft_loss, []
+
+    def sft_loss(*args):
+        calls.append(real(*args))
+        return float("nan") if len(calls) == 2 else calls[-1]
+    monkeypatch.setattr(sft, "sft_loss", sft_loss)
+    out = tmp_path / "sft"
+    with pytest.raises(SystemExit) as stop:
+        cli.run_script(sft.main, ["--preset", "tiny", "--out", str(out),
+                                  "--reward-model", str(tmp_path / "no_judge")])
+    assert str(stop.value.code).startswith("sft.py: error: step 2: the loss is NaN or inf")
+    assert "\n" not in str(stop.value.code) and len(calls) == 2
+    assert list(tmp_path.iterdir()) == []

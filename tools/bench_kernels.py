@@ -185,28 +185,42 @@ def available_bytes():
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
-def measure(path, rows, V, device, dtype):
+class TooSlow(Exception):
+    """A path that ran past --path-timeout: a row that says so, and no more rounds of it."""
+
+
+def measure(path, rows, V, device, dtype, timeout):
     cmd = [sys.executable, "-m", "tools.bench_kernels", "--worker", path, str(rows), str(V),
            device, dtype]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as error:
+        raise TooSlow(f"over {timeout:g} s, skipped") from error
     if out.returncode != 0:
         raise RuntimeError(f"{path} at {rows}x{V} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bench_size(rows, V, paths, device, dtype, rounds):
-    """Median time and max peak over rounds, per path."""
+def bench_size(rows, V, paths, device, dtype, rounds, timeout=1200):
+    """Median time and max peak over rounds, per path; {"skipped": why} for a path that ran
+    past `timeout` seconds (torch.compile at a large size can take minutes: a row, not the
+    end of the table)."""
     logits_bytes = rows * V * torch.finfo(getattr(torch, dtype)).bits // 8
     # The post's path holds the logits plus about three more (rows, V) fp32 tensors at its peak.
     if device == "cpu" and logits_bytes + 3 * rows * V * 4 > 0.9 * available_bytes():
         print(f"  skipping {rows}x{V}: needs ~{(logits_bytes + 12 * rows * V) / 2**30:.1f} GiB, "
               f"{available_bytes() / 2**30:.1f} GiB available", flush=True)
         return {}
-    runs = {p: [] for p in paths}
+    runs, skipped = {p: [] for p in paths}, {}
     for r in range(rounds):
         for p in list(runs):
             try:
-                runs[p].append(measure(p, rows, V, device, dtype))
+                runs[p].append(measure(p, rows, V, device, dtype, timeout))
+            except TooSlow as why:
+                print(f"  {p} at {rows}x{V}: {why}", flush=True)
+                skipped[p] = {"skipped": str(why)}
+                del runs[p]
+                continue
             except RuntimeError as error:
                 if p not in OPTIONAL:
                     raise
@@ -220,7 +234,7 @@ def bench_size(rows, V, paths, device, dtype, rounds):
                 **({k: statistics.median(x[k] for x in rs) for k in ("bytes_per_s",
                                                                     "copy_bytes_per_s")}
                    if "bytes_per_s" in rs[0] else {})}
-            for p, rs in runs.items()}
+            for p, rs in runs.items()} | skipped
 
 
 def label(rows):
@@ -234,7 +248,11 @@ def print_table(results):
     print("-" * len(head))
     for (rows, V), res in results.items():
         for path, r in res.items():
-            base = res[COMPARATOR[path]]
+            base = res.get(COMPARATOR[path], {})
+            if "skipped" in r or "skipped" in base:
+                print(f"{label(rows) + f' x {V}':>14} | {path:<12} | {COMPARATOR[path]:<12} | "
+                      f"{r.get('skipped') or 'its comparator: ' + base['skipped']}")
+                continue
             bandwidth = ""
             if "bytes_per_s" in r:
                 bandwidth = (f"{r['bytes_per_s'] / 1e9:.0f} GB/s = "
@@ -252,6 +270,9 @@ def check_targets(results):
     print("\nDone-when targets at 16x304 x 49152 (peak extra memory and time, vs comparator):")
     for path, (mem_target, time_target) in TARGETS.items():
         r, base = res[path], res[COMPARATOR[path]]
+        if "skipped" in r or "skipped" in base:
+            print(f"  {path:<12} not measured: {r.get('skipped') or base['skipped']}")
+            continue
         mem, t = r["extra_bytes"] / base["extra_bytes"], r["seconds"] / base["seconds"]
         ok = mem <= mem_target and t <= time_target
         print(f"  {path:<12} memory {mem:.2f}x (target <= {mem_target}x), time {t:.2f}x "
@@ -269,6 +290,9 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype of logits, hidden states and lm_head")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--path-timeout", type=float, default=1200,
+                        help="seconds one path may take at one size (its process: warm-up, "
+                             "compile and runs); past it, a row that says so")
     parser.add_argument("--worker", nargs=5, metavar=("PATH", "ROWS", "V", "DEVICE", "DTYPE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -287,7 +311,8 @@ def main():
     results = {}
     for size in args.sizes:
         rows, V = (int(n) for n in size.split("x"))
-        res = bench_size(rows, V, paths, args.device, args.dtype, args.rounds)
+        res = bench_size(rows, V, paths, args.device, args.dtype, args.rounds,
+                         args.path_timeout)
         if res:
             results[(rows, V)] = res
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end (over {os.cpu_count()} CPUs: a "

@@ -1,16 +1,20 @@
 """One command that checks a GPU: `python -m tools.bench_ppo --check-gpu [--dry-run] [--out FILE]`.
 
 On a CUDA machine it runs three steps, prints one table and writes it as JSON to --out
-(default runs/gpu_check.json):
+(default runs/gpu_check.json), within five minutes in all (BUDGET; each step has its own
+limit, LIMITS: a command past it is stopped and becomes a row "over N s, skipped"):
     1. tests     the kernel suite with the Triton kernels compiled on CUDA tensors
-                 (tests/test_kernels.py; its CPU cases run under the interpreter in a fresh
-                 process, as the suite arranges)
-    2. kernels   tools/bench_kernels.py on CUDA at 16 x 304 rows x 49,152 and x 151,936: time,
-                 peak extra memory and bandwidth (as a fraction of a device-to-device copy)
-                 of every path, against the post's and torch.compile of it
-    3. ppo       3 iterations of the blog preset in bf16 and in fp32, per phase, with random
-                 weights of SmolLM2-135M's architecture, bf16 with a 151,936 vocabulary, and
-                 bf16 under `torchrun --nproc_per_node 1` (parallel.py's path on one GPU)
+                 (tests/test_kernels.py; its interpreter cases are the CPU's, run by CI)
+    2. kernels   tools/bench_kernels.py on CUDA at 16 x 304 rows x 49,152: time, peak extra
+                 memory and bandwidth (as a fraction of a device-to-device copy) of every
+                 path, against the post's and torch.compile of it; a path past PATH_SECONDS
+                 (torch.compile can take minutes at this size) is a row that says so
+    3. ppo       4 iterations of the blog preset with random weights of SmolLM2-135M's
+                 architecture, per phase, the median after the first: bf16 and fp32 with
+                 decoding.py's CUDA graph (--decoding auto), bf16 with Hugging Face's
+                 `generate` (--decoding hf, side by side), bf16 under `torchrun
+                 --nproc_per_node 1` (parallel.py's path on one GPU); ms a new token, against
+                 issue 52's targets
 --dry-run runs the same steps on the CPU at toy sizes (a few kernel tests under the
 interpreter, 64 x 4097, 2 iterations of the tiny preset), so a machine without CUDA, and CI,
 can check the command itself. Without CUDA and without --dry-run it stops with one line.
@@ -24,7 +28,7 @@ runs/gpu_check/ on a machine that has SmolLM2: carry that folder to the GPU mach
 check needs neither `gguf` nor `datasets` nor the hub there.
 
 Run:  python -m tools.bench_ppo --check-gpu --prepare       (here, once: the model folders)
-      python -m tools.bench_ppo --check-gpu                 (on the GPU machine, ~10 min on an H200)
+      python -m tools.bench_ppo --check-gpu                 (on the GPU machine, <= 5 min)
       python -m tools.bench_ppo --check-gpu --steps tests kernels     (some steps; the JSON is
                                                       written after each, so a timeout keeps
                                                       what finished)
@@ -47,7 +51,7 @@ from support.disk import write_json
 from support.report import peak_memory_gb
 
 ROOT = Path(__file__).resolve().parent.parent        # the repository root
-MODELS = {"smollm2": None, "vocab151936": 151936}        # folder name: vocabulary override
+MODELS = {"smollm2": None}        # folder name: vocabulary override (None: the model's own)
 PHASES = ("generate", "score", "forward", "update")
 # Pure-Python wheels that travel with the model folders, and the module each provides.
 WHEELS = {"pytest": "pytest", "pluggy": "pluggy", "iniconfig": "iniconfig",
@@ -83,7 +87,7 @@ def filler_pool(tokenizer, n, prompt_tokens):
     return [{**post, "prompt": prompt} for _ in range(n)]
 
 
-def ppo_worker(model, preset, precision, iterations):
+def ppo_worker(model, preset, precision, decoding, iterations):
     """`iterations` of ppo.train with random weights; prints one RESULT line of JSON."""
     import lora
     from support import parallel
@@ -92,7 +96,7 @@ def ppo_worker(model, preset, precision, iterations):
     parallel.setup()                            # under torchrun only
     with tempfile.TemporaryDirectory() as out:
         argv = ["--preset", preset, "--iterations", str(iterations), "--precision", precision,
-                "--checkpoint-every", "1000", "--out", out]
+                "--decoding", decoding, "--checkpoint-every", "1000", "--out", out]
         cfg = ppo.parse_args(argv + (["--model", model] if model else []))
         device = loaders.pick_device()
         reference, tokenizer = loaders.load_policy_and_tokenizer(cfg.model, preset=cfg.preset,
@@ -109,48 +113,69 @@ def ppo_worker(model, preset, precision, iterations):
                                   "peak_gb": peak_memory_gb(device)}))
 
 
-def run(command, timeout):
-    """(return code, output) of a subprocess in the repository root."""
-    print("$ " + " ".join(command[1:]), flush=True)
-    out = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, capture_output=True,
-                         text=True, timeout=timeout)
-    return out.returncode, out.stdout + out.stderr
+class Deadline:
+    """The check's whole time budget: each command gets its own limit or what is left of the
+    budget, whichever is less; one that runs past it is stopped and becomes a row that says
+    so ("over N s, skipped"), and the check goes on to the next."""
+
+    def __init__(self, seconds):
+        self.end = time.time() + seconds
+
+    def run(self, command, limit):
+        """(return code, output) of a subprocess in the repository root; code None when it
+        ran past its limit (the output says how long it had)."""
+        limit = max(1.0, min(limit, self.end - time.time()))
+        print("$ " + " ".join(command[1:]), flush=True)
+        try:
+            out = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            return None, f"over {limit:.0f} s, skipped"
+        return out.returncode, out.stdout + out.stderr
 
 
-def step_tests(dry_run):
-    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
-    code, output = run(command + (["-k", "worked_example"] if dry_run else []), 1200)
+def step_tests(dry_run, deadline):
+    """The kernel tests on CUDA tensors (their interpreter cases are the CPU's: CI runs them)."""
+    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+               "-k", "worked_example" if dry_run else "not fresh_process"]
+    code, output = deadline.run(command, LIMITS["tests"])
     summary = [line for line in output.splitlines() if " passed" in line or " failed" in line]
     return {"ok": code == 0, "summary": summary[-1].strip("= ") if summary else output[-500:]}
 
 
-def step_kernels(dry_run):
-    sizes = ["64x4097"] if dry_run else ["4864x49152", "4864x151936"]
+def step_kernels(dry_run, deadline):
+    """bench_kernels at the post's size; a path past PATH_SECONDS (torch.compile) is a row."""
+    sizes = ["64x4097"] if dry_run else ["4864x49152"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernels.json"
         command = ["python", "-m", "tools.bench_kernels", "--sizes", *sizes, "--rounds", "1",
-                   "--json", str(path)] + (["--device", "cpu"] if dry_run else [])
-        code, output = run(command, 1800)
+                   "--path-timeout", str(PATH_SECONDS), "--json", str(path)] + (
+                       ["--device", "cpu"] if dry_run else [])
+        code, output = deadline.run(command, LIMITS["kernels"])
         return ({"ok": True, "sizes": json.loads(path.read_text())} if code == 0
                 else {"ok": False, "error": output[-2000:]})
 
 
-def step_ppo(dry_run, models_dir):
+def step_ppo(dry_run, models_dir, deadline):
+    """PPO iterations of each variant: bf16 and fp32 with decoding.py's graph (--decoding
+    auto), bf16 with Hugging Face's generate (the old way, side by side), bf16 under torchrun;
+    the median of the iterations after the first (the warm-up: compiles, the graph's
+    recording). ms a new token: the generate phase over its T."""
     python = ["python"]
     torchrun = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
-    variants = ([("tiny fp32", None, "tiny", "fp32", python),
-                 ("tiny fp32 torchrun", None, "tiny", "fp32", torchrun)] if dry_run else
-                [(f"{name} {precision}{' torchrun' if launcher is torchrun else ''}",
-                  str(Path(models_dir) / name), "blog", precision, launcher)
-                 for name, precision, launcher in (
-                     ("smollm2", "bf16", python), ("smollm2", "fp32", python),
-                     ("vocab151936", "bf16", python), ("smollm2", "bf16", torchrun))])
-    iterations = 2 if dry_run else 3
+    model = str(Path(models_dir) / "smollm2")
+    variants = ({"tiny fp32": (None, "tiny", "fp32", "auto", python),
+                 "tiny fp32 torchrun": (None, "tiny", "fp32", "auto", torchrun)} if dry_run else
+                {"bf16": (model, "blog", "bf16", "auto", python),
+                 "fp32": (model, "blog", "fp32", "auto", python),
+                 "bf16 generate": (model, "blog", "bf16", "hf", python),
+                 "bf16 torchrun": (model, "blog", "bf16", "auto", torchrun)})
+    iterations = 2 if dry_run else 4
     out = {}
-    for label, model, preset, precision, launcher in variants:
+    for label, (model, preset, precision, decoding, launcher) in variants.items():
         command = launcher + ["-m", "tools.check_gpu", "--ppo-worker", model or "", preset,
-                              precision, str(iterations)]
-        code, output = run(command, 1800)
+                              precision, decoding, str(iterations)]
+        code, output = deadline.run(command, LIMITS["ppo variant"])
         line = [x for x in output.splitlines() if x.startswith("RESULT ")]
         if code or not line:
             out[label] = {"ok": False, "error": output[-2000:]}
@@ -160,6 +185,8 @@ def step_ppo(dry_run, models_dir):
         out[label] = {"ok": True, "peak_gb": result["peak_gb"],
                       "ratio": [min(r["ratio_min"] for r in result["rows"]),
                                 max(r["ratio_max"] for r in result["rows"])],
+                      "ms_per_token": statistics.median(1e3 * r["seconds_generate"]
+                                                        / r["new_tokens"] for r in rows),
                       **{key: statistics.median(r[key] for r in rows)
                          for key in [f"seconds_{p}" for p in PHASES] + ["seconds"]}}
     return out
@@ -174,23 +201,40 @@ def print_table(report):
     print(f"2. tools/bench_kernels.py: {'ok' if kernels['ok'] else 'FAILED'}")
     for size, paths in kernels.get("sizes", {}).items():
         for path, r in paths.items():
+            if "skipped" in r:
+                print(f"   {size:>12} {path:<16} {r['skipped']}")
+                continue
             bandwidth = (f", {r['bytes_per_s'] / r['copy_bytes_per_s']:.0%} of copy bandwidth"
                          if "bytes_per_s" in r else "")
             print(f"   {size:>12} {path:<16} {r['seconds'] * 1e3:9.2f} ms  "
                   f"{r['extra_bytes'] / 2**20:9.0f} MB extra{bandwidth}")
     print("3. PPO iterations (median s after the first; ratio at the first inner step):")
     print(f"   {'variant':<22}" + "".join(f"{p:>10}" for p in PHASES)
-          + f"{'total':>10}{'peak GB':>9}  ratio")
+          + f"{'total':>10}{'ms/token':>9}{'peak GB':>9}  ratio")
     for label, r in report["ppo"].items():
         if not r["ok"]:
             print(f"   {label:<22} FAILED: {r['error'].splitlines()[-1] if r['error'] else ''}")
             continue
         print(f"   {label:<22}" + "".join(f"{r[f'seconds_{p}']:>10.2f}" for p in PHASES)
-              + f"{r['seconds']:>10.2f}{r['peak_gb']:>9.2f}  {r['ratio'][0]:.4f} to "
-              f"{r['ratio'][1]:.4f}")
+              + f"{r['seconds']:>10.2f}{r['ms_per_token']:>9.2f}{r['peak_gb']:>9.2f}  "
+              f"{r['ratio'][0]:.4f} to {r['ratio'][1]:.4f}")
+    print(f"   targets (issue 52, blog preset, one H200): decoding <= {TARGETS['ms_per_token']} "
+          f"ms a new token, an iteration <= {TARGETS['seconds']} s, bf16 faster than fp32")
+    bf16, fp32 = report["ppo"].get("bf16", {}), report["ppo"].get("fp32", {})
+    if bf16.get("ok") and not report["dry_run"]:
+        print(f"   bf16: {bf16['ms_per_token']:.2f} ms a token, {bf16['seconds']:.2f} s an "
+              f"iteration: {'met' if bf16['ms_per_token'] <= TARGETS['ms_per_token'] else 'missed'}"
+              f", {'met' if bf16['seconds'] <= TARGETS['seconds'] else 'missed'}"
+              + (f"; fp32 {fp32['seconds']:.2f} s: bf16 "
+                 f"{'faster' if bf16['seconds'] < fp32['seconds'] else 'not faster'}"
+                 if fp32.get("ok") else ""))
 
 
 STEPS = ("tests", "kernels", "ppo")
+BUDGET = 300                    # seconds for the whole check (issue 51: five minutes on an H200)
+LIMITS = {"tests": 90, "kernels": 90, "ppo variant": 60}      # seconds, each within BUDGET
+PATH_SECONDS = 25               # one kernel path at one size, compile included
+TARGETS = {"ms_per_token": 2.0, "seconds": 0.5}
 
 
 def main(dry_run=False, out="runs/gpu_check.json", models_dir="runs/gpu_check",
@@ -216,8 +260,10 @@ def main(dry_run=False, out="runs/gpu_check.json", models_dir="runs/gpu_check",
               "tests": {"ok": True, "summary": "not run"}, "kernels": {"ok": True},
               "ppo": {}}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    run_step = {"tests": lambda: step_tests(dry_run), "kernels": lambda: step_kernels(dry_run),
-                "ppo": lambda: step_ppo(dry_run, models_dir)}
+    deadline = Deadline(BUDGET if not dry_run else 3 * BUDGET)  # the dry run: 2 slow cores
+    run_step = {"tests": lambda: step_tests(dry_run, deadline),
+                "kernels": lambda: step_kernels(dry_run, deadline),
+                "ppo": lambda: step_ppo(dry_run, models_dir, deadline)}
     for step in steps:                      # the JSON after each: a timeout keeps the rest
         report[step] = run_step[step]()
         report["seconds"] = time.time() - start
@@ -231,5 +277,5 @@ def main(dry_run=False, out="runs/gpu_check.json", models_dir="runs/gpu_check",
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--ppo-worker"]:
-        model, preset, precision, iterations = sys.argv[2:6]
-        ppo_worker(model or None, preset, precision, int(iterations))
+        model, preset, precision, decoding, iterations = sys.argv[2:7]
+        ppo_worker(model or None, preset, precision, decoding, int(iterations))
