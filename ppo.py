@@ -512,8 +512,7 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
     (whole batch) and the ratio's min and max in each micro-batch, (2 x parts,)."""
     n_seq = parallel.total(len(batch.posts))            # responses in the whole batch
     n_tok = parallel.total(batch.mask.sum())            # real tokens in the whole batch
-    log, ratios = dict.fromkeys(("policy_loss", "value_loss", "entropy", "clipfrac",
-                                 "approx_kl", "ptx_loss"), 0.0), []
+    parts, ratios = [], []
     for rows, first in batch.groups:                    # same gradient as one batch
         mask, logp_old = batch.mask[rows], batch.logp_old[rows]    # (b, T) each
         with loaders.precision(cfg, batch.sequences.device):
@@ -530,20 +529,31 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
                                        values_old=batch.values[rows], value_clip=cfg.value_clip)
         # (14) L_total = L_policy + c_v L_value + c_ent L_ent + c_ptx L_ptx
         loss = pl + cfg.vf_coef * vl + cfg.ent_coef * el
+        lm = torch.zeros(())
         if cfg.ptx_coef:                                # (13) on these posts' human TL;DRs
             with loaders.precision(cfg, batch.sequences.device):
                 lm = ptx_loss(policy, tokenizer, [batch.posts[r] for r in rows.tolist()],
                               batch.sequences.device, cfg.temperature)
             loss = loss + cfg.ptx_coef * lm * (len(rows) / n_seq)
-            log["ptx_loss"] += lm.item() * len(rows) / n_seq
-        check_finite(batch.iteration, loss=loss)
         loss.backward()
-        share = mask.sum().item() / n_tok.item()        # this part's real tokens
-        log["policy_loss"] += pl.item()
-        log["value_loss"] += vl.item()
-        log["entropy"] -= el.item()
-        log["clipfrac"] += stats["clipfrac"].item() * share
-        log["approx_kl"] += stats["approx_kl"].item() * share
+        parts.append(torch.stack([x.detach().float().to(loss.device) for x in (
+            loss, pl, vl, el, stats["clipfrac"], stats["approx_kl"], lm, mask.sum())]))
+    # Read on the host once a step, not seven times a micro-batch (each read waits for the
+    # GPU): a NaN stops the run before the optimizer steps on it
+    parts = torch.stack(parts)                          # (parts, 8)
+    check_finite(batch.iteration, loss=parts[:, 0])
+    log = dict.fromkeys(("policy_loss", "value_loss", "entropy", "clipfrac", "approx_kl",
+                         "ptx_loss"), 0.0)
+    tokens = n_tok.item()
+    for (rows, _), (_, pl, vl, el, clipfrac, approx_kl, lm, real) in zip(batch.groups,
+                                                                          parts.tolist()):
+        share = real / tokens                           # this part's real tokens
+        log["ptx_loss"] += (lm * len(rows) / n_seq) if cfg.ptx_coef else 0.0
+        log["policy_loss"] += pl
+        log["value_loss"] += vl
+        log["entropy"] -= el
+        log["clipfrac"] += clipfrac * share
+        log["approx_kl"] += approx_kl * share
     return parallel.total(log), torch.stack(ratios)             # (2 x parts,)
 
 
