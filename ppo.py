@@ -127,6 +127,16 @@ def generate(model, prompt_ids, prompt_mask, cfg, eos_id):
                            graph=cfg.decoding == "auto")        # (B, P+T), (B, T)
 
 
+def as_generated(prompt_ids, drawn, eos_id):
+    """What `generate` returned when it drew `drawn`: per row the ids it kept (up to and
+    including the first EOS), padded with EOS to the longest, T.
+    out: sequences (B, P+T) and actions (B, T)."""
+    T = max(len(ids) for ids in drawn)
+    actions = torch.tensor([ids + [eos_id] * (T - len(ids)) for ids in drawn],
+                           device=prompt_ids.device)                        # (B, T)
+    return torch.cat([prompt_ids, actions], 1), actions                     # (B, P+T), (B, T)
+
+
 def full_mask(prompt_mask, actions):
     """Attention mask for prompt + response: (B, P+T), zeros only on the left padding."""
     return torch.cat([prompt_mask, torch.ones_like(actions)], 1)
@@ -561,12 +571,13 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
 # ---------------------------------------- the final evaluation, on held-out posts
 
 @torch.no_grad()
-def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
+def rollouts(model, reference, reward, tokenizer, posts, cfg, device, drawn=None):
     """The post's last lines of `train`, on held-out posts: generate, score and fluency for
     each post in `posts`, in batches; per sample (in their order): reward (the --reward
     score; None with no reward model, as sft.py's rows may be), fluency, KL, length, eos,
-    copied_bigrams, ids and text (support/measures.py).
-    support/heldout.py turns them into the run's final numbers."""
+    copied_bigrams, ids and text (support/measures.py). `drawn`: the ids `model` drew for
+    these posts before, in these batches (sft.py's, `heldout.sft_draws`), in place of
+    sampling them again. support/heldout.py turns them into the run's final numbers."""
     # In chunks of one iteration's responses: the same for every setting of
     # tools/compare_estimators.py (8), so they share the reference's samples.
     eos, out, step = tokenizer.eos_token_id, [], cfg.batch * cfg.samples_per_prompt
@@ -575,7 +586,9 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device):
         chunk = posts[i:i + step]
         prompt_ids, prompt_mask = loaders.encode(tokenizer, [p["prompt"] for p in chunk], device)
         with loaders.precision(cfg, device):
-            sequences, actions = generate(model, prompt_ids, prompt_mask, cfg, eos)
+            sequences, actions = (generate(model, prompt_ids, prompt_mask, cfg, eos)
+                                  if drawn is None else
+                                  as_generated(prompt_ids, drawn[i:i + step], eos))
             mask = response_mask(actions, eos)
             attention = full_mask(prompt_mask, actions)
             rewards = (score(reward, prompt_ids, prompt_mask, actions, mask, eos_id=eos,

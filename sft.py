@@ -47,7 +47,7 @@ import reward_model as rm
 from lora import merge_lora, with_lora
 from support import cli, disk
 from support.config import option, read_config
-from support.heldout import sft_rows, write_samples_page
+from support.heldout import draws_key, sft_rows, write_samples_page
 from support.report import check_finite
 
 
@@ -244,7 +244,8 @@ def run(cfg, staging, start):
     rows, samples = sft_rows(base, sft_model, judge, tokenizer, held_out, sampling, device,
                              ppo.rollouts)
     results = {"config": dataclasses.asdict(cfg), "curve": curve, "rows": rows,
-               "samples": samples, "train_posts": len(train_posts),
+               "samples": samples, "draws_key": draws_key(sampling, held_out, device),
+               "train_posts": len(train_posts),
                "seconds": time.time() - start}
     with cli.writing(cfg.out):                  # a full disk: one line, --out as it was
         sft_model.save_pretrained(staging)

@@ -44,6 +44,8 @@ from support.report import (load_baseline, plot_curves, print_gain, print_row,
 # 5: the start row (SmolLM2) when the reference is sft.py's model
 MEASURES = 5
 OUTSIDE = ("rouge_l", "retrieval_rank", "relevance_gap", "question", "asks_help")  # per sample
+DRAWS_KEY = ("prompt_tokens", "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts",
+             "batch", "samples_per_prompt", "precision", "decoding")
 BASELINE_KEY = ("model", "reward_model", "reward", "data_dir", "preset", "prompt_tokens",
                 "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts", "batch",
                 "samples_per_prompt", "precision", "decoding")
@@ -122,6 +124,30 @@ def fingerprint(cfg, models, held_out):
     return digest.hexdigest()
 
 
+def draws_key(cfg, held_out, device):
+    """What a model's held-out draws depend on besides its weights and the seed: the
+    sampler's settings, the batches they are drawn in, the precision and the decoding, the
+    posts, the device and torch. sft.py keeps it beside its samples; ppo.py reads them back
+    (`sft_draws`) only where its own agrees."""
+    posts = hashlib.sha256(json.dumps([p["prompt"] for p in held_out]).encode()).hexdigest()
+    return {**{k: getattr(cfg, k) for k in DRAWS_KEY}, "posts": posts, "device": str(device),
+            "torch": torch.__version__}
+
+
+def sft_draws(cfg, held_out, device):
+    """The ids sft.py drew on the held-out posts from its start and from the SFT model,
+    {"start": [ids], "sft": [ids]}, where cfg.model is sft.py's folder and they were drawn
+    as this run would draw them (`draws_key`); else None. ppo.py scores them again (its
+    judge, its reference) instead of drawing them again: the same rows, minutes sooner."""
+    try:
+        saved = json.loads((Path(cfg.model) / "results.json").read_text())
+        if saved.get("draws_key") != draws_key(cfg, held_out, device):
+            return None
+        return {name: [s["ids"] for s in saved["samples"][name]] for name in ("start", "sft")}
+    except (OSError, ValueError, KeyError, TypeError):  # none, an older sft.py's, or broken
+        return None
+
+
 def judge_copy(cfg, key):
     """Where the judge's folder keeps the reference and human rows made with `key`."""
     return Path(cfg.reward_model) / "baselines" / f"{key['fingerprint'][:16]}.json"
@@ -157,8 +183,12 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
         if stored := load_baseline(path, key):
             print(f"reference and human rows: from {path}")
             return stored
+    drawn = sft_draws(cfg, held_out, device) if loaders.sft_start(cfg.model) else None
+    if drawn:
+        print(f"reference and start rows: the samples sft.py drew in {cfg.model}, scored here")
     torch.manual_seed(10_000)
-    ref_samples = rollouts(reference, reference, reward, tokenizer, held_out, cfg, device)
+    ref_samples = rollouts(reference, reference, reward, tokenizer, held_out, cfg, device,
+                           drawn=drawn and drawn["sft"])
     with loaders.precision(cfg, device):
         outside_measures(ref_samples, held_out, reward, tokenizer)
         human_row, human = written_row([p["summary"] for p in held_out], held_out, reward,
@@ -172,7 +202,7 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
                                                          *OUTSIDE[1:]))}
     if start_name := loaders.sft_start(cfg.model):      # the reference is sft.py's model
         baseline["start"], baseline_posts["start_samples"] = start_row(
-            start_name, cfg, models, held_out, rollouts)
+            start_name, cfg, models, held_out, rollouts, drawn and drawn["start"])
     if all("openai_1b" in p for p in held_out):         # the data's 1.3B PPO summaries
         with loaders.precision(cfg, device):
             baseline["openai_1b"], openai = written_row([p["openai_1b"] for p in held_out],
@@ -186,14 +216,15 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
             "ref_samples": ref_samples}
 
 
-def start_row(name, cfg, models, held_out, rollouts):
+def start_row(name, cfg, models, held_out, rollouts, drawn=None):
     """The model sft.py started from (the post's start, SmolLM2), sampled on the held-out posts
-    as the reference is (the same seed: sft.py's start row), scored, its KL taken to the
-    reference. Returns (the row's means with "model": name, the samples per post)."""
+    as the reference is (the same seed: sft.py's start row; `drawn`: sft.py's draws), scored,
+    its KL taken to the reference. Returns (the row's means with "model": name, the samples
+    per post)."""
     reference, reward, tokenizer, device = models
     start, _ = loaders.load_policy_and_tokenizer(name, preset=cfg.preset, device=device)
     torch.manual_seed(10_000)
-    samples = rollouts(start, reference, reward, tokenizer, held_out, cfg, device)
+    samples = rollouts(start, reference, reward, tokenizer, held_out, cfg, device, drawn=drawn)
     with loaders.precision(cfg, device):
         outside_measures(samples, held_out, reward, tokenizer)
     return ({**summarize(samples), **outside_summary(samples), "model": name},
@@ -279,7 +310,7 @@ def sft_rows(start, sft, reward, tokenizer, held_out, cfg, device, rollouts):
     there is a judge (`reward` None: none), the measures it never saw, words, the share
     that end by themselves, copying and the KL to the start; the SFT row also carries its
     gains over the start, paired by post. Returns ({"start", "sft"}: row, {same}: samples)."""
-    keys = ("length", "eos", "copied_bigrams", "kl", "text", *OUTSIDE)
+    keys = ("length", "eos", "copied_bigrams", "kl", "text", "ids", *OUTSIDE)
     drawn = {}
     for name, model in (("start", start), ("sft", sft)):
         torch.manual_seed(10_000)                       # as reference_and_human seeds it

@@ -13,6 +13,7 @@ Run:  python -m pytest -q tests/test_sft.py          (and -m slow for the end-to
 """
 import copy
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -223,6 +224,37 @@ def test_ppo_from_the_sft_model_starts_with_ratio_one_and_kl_zero(tiny_sft, tiny
     page = (tmp_path / "ppo" / "samples.html").read_text()
     assert "SmolLM2 (before SFT)" in page and "reference (SFT)" in page
     assert "SmolLM2 reward" in page
+    assert f"the samples sft.py drew in {out}, scored here" in done.stdout
+
+
+@pytest.mark.slow
+def test_ppo_reads_sft_draws_back_to_the_same_rows_it_would_sample(tiny_sft, tiny_reward_model,
+                                                                    tmp_path):
+    """ppo.py scores the ids sft.py drew for its reference and start rows rather than
+    drawing them again: every number of those rows, per post too, is the one a fresh draw
+    gives (a copy of the SFT folder without the key samples from scratch). Another sampler
+    setting does not read them back."""
+    out, _ = tiny_sft
+    judge = tmp_path / "judge"                          # no rows kept beside it by other tests
+    shutil.copytree(tiny_reward_model, judge, ignore=shutil.ignore_patterns("baselines"))
+    fresh = tmp_path / "sft_copy"
+    shutil.copytree(out, fresh)
+    saved = json.loads((fresh / "results.json").read_text())
+    del saved["draws_key"]                              # an older sft.py's: draw again
+    (fresh / "results.json").write_text(json.dumps(saved))
+    finals = {}
+    for name, model, extra in (("read", out, []), ("drawn", fresh, []),
+                               ("hotter", out, ["--temperature", "0.9"])):
+        done = run("ppo.py", "--preset", "tiny", "--model", str(model), "--iterations", "1",
+                   "--reward-model", str(judge), "--out", str(tmp_path / name), *extra)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert ("sft.py drew" in done.stdout) == (name == "read")
+        finals[name] = json.loads((tmp_path / name / "results.json").read_text())["final"]
+    for key in ("ref", "start", "ref_samples", "start_samples"):
+        read, drawn = finals["read"][key], finals["drawn"][key]
+        if key == "start":
+            read, drawn = {**read, "model": None}, {**drawn, "model": None}
+        assert read == drawn, key
 
 
 @pytest.mark.slow
