@@ -43,7 +43,9 @@ Choices, and why:
        weight change (a module swapped: the graph would read the old one). The graph's
        prompt columns are padded on the left up to --prompt-tokens, so that one graph serves
        every iteration (P, the batch's longest prompt, moves from one to the next; the extra
-       columns are padding, masked, and cost a little attention).
+       columns are padding, masked, and cost a little attention). Where the step cannot be
+       recorded (a driver or a torch that refuses it), one line says so and the same loop
+       runs without the graph.
     4. One host sync a step, `unfinished.any()`, to stop where `generate` stops (same T, the
        same number of draws from the random stream); with the graph it costs the launch of
        the next replay.
@@ -263,7 +265,14 @@ def decoder_for(model, prompt_ids, cfg, eos_id, graph):
     if decoder is None or decoder.key != key:
         GRAPHS.pop(model, None)                         # the old graph's memory first
         decoder = StaticDecoder(model, *shape, device)
-        decoder.graph, decoder.key = record(model, decoder, cfg, eos_id), key
+        try:
+            decoder.graph = record(model, decoder, cfg, eos_id)
+        except RuntimeError as error:   # a driver or a torch that cannot record this step
+            reason = " ".join(str(error).split())[:160]
+            print(f"note: the decoding step could not be recorded as a CUDA graph ({reason}): "
+                  "the same loop runs without it (--decoding static); --decoding hf is "
+                  "Hugging Face's generate")
+        decoder.key = key                               # tried once for these shapes
         GRAPHS[model] = decoder
     return decoder
 

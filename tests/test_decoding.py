@@ -295,6 +295,30 @@ def test_the_step_reads_nothing_on_the_host_and_writes_in_place(tiny, tokenizer)
     assert decoder.column.item() == ids.shape[1] + 1 and not torch.equal(decoder.token, before)
 
 
+def test_a_graph_that_cannot_be_recorded_is_one_line_and_the_loop_without_it(
+        tiny, tokenizer, monkeypatch, capsys):
+    """Where recording fails (an old driver, a torch that refuses an op in capture), the
+    loop runs eagerly with the same draws, after one line, and recording is not retried."""
+    def refuse(*args):
+        refuse.calls = getattr(refuse, "calls", 0) + 1
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(decoding, "record", refuse)
+    model, cfg = policy_of(tiny), config()
+    ids, mask = loaders.encode(tokenizer, PROMPTS, "cpu")
+    pad = cfg.prompt_tokens - ids.shape[1]              # the width a graph would have
+    ids = torch.cat([torch.full((len(ids), pad), EOS), ids], 1)
+    mask = torch.cat([torch.zeros(len(ids), pad, dtype=mask.dtype), mask], 1)
+    for _ in range(2):
+        torch.manual_seed(0)
+        fallback = decoding.sample(model, ids, mask, cfg, EOS, graph=True)
+    torch.manual_seed(0)
+    eager = decoding.sample(model, ids, mask, cfg, EOS, graph=False)
+    assert all(torch.equal(a, b) for a, b in zip(fallback, eager))
+    assert refuse.calls == 1 and decoding.GRAPHS[model].graph is None
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and "could not be recorded as a CUDA graph" in out[0]
+
+
 # ------------------------------------------------------------------------ CUDA only
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
