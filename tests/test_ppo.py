@@ -997,6 +997,6 @@ def test_bench_heldout_reads_back_the_same_rows(tiny_reward_model):
     before = kept()
     out = run("-m", "tools.bench_heldout", "--reward-model", str(tiny_reward_model),
               "--preset", "tiny")
-    assert "preset tiny, 4 posts: sampled and scored" in out
+    assert "preset tiny, 4 posts, 1 model sampled" in out and "scored from the draws" in out
     assert out.rstrip().endswith("the same numbers: True")
     assert kept() == before                      # it worked on a copy of the judge's folder

@@ -258,6 +258,17 @@ def test_ppo_reads_sft_draws_back_to_the_same_rows_it_would_sample(tiny_sft, tin
 
 
 @pytest.mark.slow
+def test_bench_heldout_scores_the_draws_of_both_models_to_the_same_rows(tiny_sft,
+                                                                        tiny_reward_model):
+    out, _ = tiny_sft
+    done = run("-m", "tools.bench_heldout", "--preset", "tiny", "--model", str(out),
+               "--reward-model", str(tiny_reward_model))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "preset tiny, 4 posts, 2 models sampled" in done.stdout
+    assert done.stdout.rstrip().endswith("the same numbers: True")
+
+
+@pytest.mark.slow
 def test_no_room_and_a_held_folder_stop_it_in_one_line(tmp_path, monkeypatch, capsys,
                                                         data_dir):
     monkeypatch.setattr(cli, "free_bytes", lambda path: (1_000_000, str(tmp_path)))

@@ -71,7 +71,7 @@ def main(argv=None):
         read = heldout.reference_and_human(cfg, models, held_out, Path(scratch), ppo.rollouts)
         back = time.perf_counter() - start
     same = json.loads(json.dumps(made)) == json.loads(json.dumps(scored)) == read
-    print(f"preset {cfg.preset}, {cfg.eval_prompts} posts, {len(drawn)} models sampled, "
+    print(f"preset {cfg.preset}, {cfg.eval_prompts} posts, {len(drawn)} model{'s' * (len(drawn) > 1)} sampled, "
           f"{torch.get_num_threads()} threads: sampled and scored {sampled:.1f} s, scored from the "
           f"draws {from_draws:.1f} s ({from_draws / sampled:.2f}x), read back {back:.2f} s; "
           f"the same numbers: {same}")
