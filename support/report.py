@@ -16,6 +16,7 @@ Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
     print_row, print_gain, print_samples    one run's rows of the post's table (each reward
                           with its standard error, the paired gain over the reference)
     sweep_summary, sweep_markdown, report_sweep     the sweep's table, per beta over seeds
+                          (the judge beside what it never saw: support/tables.py)
     sweep_samples         what its samples look like: question-shaped ones, a median one
     plot_curves, plot_sweep                   curves.png and sweep.png
 
@@ -37,7 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from support import cli
 from support.disk import save_figure, write_aside, write_json, write_text
-from support import parallel
+from support import parallel, tables
 from support.measures import median_sample, question_fraction, spearman, standard_error
 from gae import ended_with_eos
 from lora import AdapterMismatch, load_adapter, save_adapter
@@ -387,74 +388,49 @@ def sweep_summary(table, baseline):
             if len(table) > 1 else math.nan}
 
 
-def sweep_markdown(summary, baseline, failed):
-    """The post's table as Markdown (printed, and saved as sweep.md for docs/sweep.md)."""
-    lines = ["| beta | runs | reward: mean ± SE over seeds | worst to best | gain over (ref) "
-             "| fluency, worst to best (per token) | KL | length | distinct-2 | EOS | copied "
-             "| value loss |",
-             "|" + " --- |" * 12]
-    for beta, b in summary["by_beta"].items():
-        lines.append(f"| {beta:g} | {b['runs']} | {b['reward']:.2f} ± {b['reward_se_seeds']:.2f} "
-                     f"| {b['reward_worst']:.2f} to {b['reward_best']:.2f} "
-                     f"| {b['gain_over_ref']:+.2f} "
-                     f"| {b['fluency_worst']:.1f} to {b['fluency_best']:.1f} "
-                     f"({b['fluency_per_token']:.2f}) | {b['kl']:.2f} "
-                     f"| {b['length']:.1f} | {b['distinct_2']:.3f} | {b['eos_fraction']:.2f} "
-                     f"| {b['copied_bigrams']:.2f} | {b['value_loss_last20']:.3f} |")
-    ref, human = baseline["ref"], baseline["human"]
-    lines.append(f"| (ref) | | {ref['reward']:.2f} ± {ref['reward_se']:.2f} (over posts) | | "
-                 f"| {ref['fluency']:.1f} ({fluency_per_token(ref):.2f}) | 0 "
-                 f"| {ref['length']:.1f} | {ref['distinct_2']:.3f} "
-                 f"| {ref['eos_fraction']:.2f} | {ref['copied_bigrams']:.2f} | |")
-    lines.append(f"| human | | {human['reward']:.2f} ± {human['reward_se']:.2f} (over posts) "
-                 "|" + " |" * 9)
-    if "openai_1b" in baseline:                 # the data's 1.3B PPO summaries, a yardstick
-        big = baseline["openai_1b"]
-        lines.append(f"| OpenAI 1.3B PPO | | {big['reward']:.2f} ± {big['reward_se']:.2f} "
-                     f"(over posts) |" + " |" * 4 + f" {big['length']:.1f} | |" + " |"
-                     + f" {big['copied_bigrams']:.2f} | |")
-    lines += [f"| {r['beta']:g} | seed {r['seed']} failed: {r['failed']} |" + " |" * 10
-              for r in failed]
-    if summary["best_beta"] is None:
+def sweep_markdown(table, base, failed):
+    """The post's table as Markdown (printed, and saved as sweep.md for docs/sweep.md): per
+    beta the judge's reward beside what it never saw (support/tables.py), where each peaks,
+    then the rest of each beta's numbers. `table`: the finished runs' rows with their words
+    (tables.with_words), `base`: baseline.json, `failed`: the failed runs' rows."""
+    betas = sorted({r["beta"] for r in table} | {r["beta"] for r in failed})
+    groups = [(f"{b:g}", [r for r in table if r["beta"] == b]) for b in betas]
+    lines = [tables.markdown("beta", groups, base)]
+    lines += [f"\nbeta={r['beta']:g} seed {r['seed']}: failed: {r['failed']}" for r in failed]
+    if not table:
         return "\n".join(lines + ["\nNo run finished."])
-    n = sum(b["runs"] for b in summary["by_beta"].values())
-    rho = summary["spearman_beta_kl"]
-    lines.append(f"\nSpearman's rho of beta and the final KL over {n} runs: "
-                 + ("n/a (one beta)" if math.isnan(rho) else f"{rho:+.2f}") + ". The best beta "
-                 f"({summary['best_beta']:g}) went {summary['best_fraction_of_ref_to_human']:.2f}"
-                 " of the way from the reference's mean reward to the human TL;DRs'.")
+    peak = tables.peaks(groups)
+    if peak:
+        lines.append("\nMeans over seeds peak at: " + "; ".join(
+            f"{measure}, beta = {name}" for measure, name in peak.items()) + ".")
+    lines.append("\n" + more_markdown(groups, sweep_summary(table, base["baseline"])))
     return "\n".join(lines)
 
 
-def outside_markdown(table, baseline):
-    """The sweep by what the judge never saw (heldout.outside_measures), per beta: each
-    measure's mean over seeds, and for ROUGE-L and retrieval the gain over the reference
-    paired by post, its mean over seeds +- the SE over seeds. Runs made before these
-    measures existed have none and are left out."""
-    table = [r for r in table if "retrieval_mrr" in r]
-    lines = ["| beta | runs | ROUGE-L | ROUGE-L gain over (ref) | retrieval top-1 | MRR "
-             "| MRR gain over (ref) | relevance gap | ends in ? | asks for help |",
-             "|" + " --- |" * 10]
-
-    def gain(runs, key):                                     # mean over seeds +- SE over seeds
-        values = [r[f"{key}_gain_over_ref"] for r in runs]
-        se = standard_error(values)
-        return f"{sum(values) / len(values):+.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}")
-
-    for beta in sorted({r["beta"] for r in table}):
-        runs = [r for r in table if r["beta"] == beta]
-        mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
-        lines.append(f"| {beta:g} | {len(runs)} | {mean('rouge_l'):.3f} | {gain(runs, 'rouge_l')} "
-                     f"| {mean('retrieval_top1'):.2f} | {mean('retrieval_mrr'):.3f} "
-                     f"| {gain(runs, 'retrieval_mrr')} | {mean('relevance_gap'):+.2f} "
-                     f"| {mean('question_fraction'):.2f} | {mean('asks_for_help'):.2f} |")
-    for name, row in (("(ref)", baseline["ref"]), ("human", baseline["human"]),
-                      ("OpenAI 1.3B PPO", baseline.get("openai_1b", {}))):
-        if "retrieval_mrr" in row:
-            rouge = f"{row['rouge_l']:.3f}" if "rouge_l" in row else "1"
-            lines.append(f"| {name} | | {rouge} | | {row['retrieval_top1']:.2f} "
-                         f"| {row['retrieval_mrr']:.3f} | | {row['relevance_gap']:+.2f} "
-                         f"| {row['question_fraction']:.2f} | {row['asks_for_help']:.2f} |")
+def more_markdown(groups, summary):
+    """The rest of each beta: its runs above the reference (SFT) by more than 2 SE (paired
+    over posts) on the judge, MRR, ROUGE-L and all three (tables.beside_sft); fluency, worst
+    to best and per token; length in tokens, distinct-2, the judge's relevance gap, the share ending in "?"
+    and the value loss (means over seeds); then Spearman's rho of beta and KL."""
+    lines = ["| beta | above (ref) by 2 SE: judge | MRR | ROUGE-L | all three "
+             "| fluency, worst to best (per token) | length (tokens) | distinct-2 "
+             "| relevance gap | ends in ? | value loss |", "|" + " --- |" * 11]
+    for name, runs in groups:
+        if not runs:
+            continue
+        b, n = summary["by_beta"][runs[0]["beta"]], len(runs)
+        above = tables.beside_sft(runs)
+        mean = lambda key: (sum(r[key] for r in runs) / n if all(key in r for r in runs)  # noqa: E731
+                            else math.nan)
+        lines.append(f"| {name} | " + " | ".join(f"{c} of {n}" for c in above.values())
+                     + f" | {b['fluency_worst']:.1f} to {b['fluency_best']:.1f} "
+                     f"({b['fluency_per_token']:.2f}) | {b['length']:.1f} "
+                     f"| {b['distinct_2']:.3f} | {mean('relevance_gap'):+.2f} "
+                     f"| {mean('question_fraction'):.0%} | {b['value_loss_last20']:.3f} |")
+    n = sum(len(runs) for _, runs in groups)
+    rho = summary["spearman_beta_kl"]
+    lines.append(f"\nSpearman's rho of beta and the final KL over {n} runs: "
+                 + ("n/a (one beta)" if math.isnan(rho) else f"{rho:+.2f}") + ".")
     return "\n".join(lines)
 
 
@@ -491,28 +467,23 @@ def report_sweep(rows, base, out):
     with the git commits of the code that ran it (issue 13: the README must say which), and
     sweep.md with what the samples look like (sweep_samples). `base`: baseline.json."""
     failed = [r for r in rows if r and r.get("failed")]
-    table = [r for r in rows if r and not r.get("failed")]
-    baseline = base["baseline"]
-    summary = sweep_summary(table, baseline)
-    results = {r["run_dir"]: read_results(r["run_dir"]) or {} for r in table + failed}
+    results = {r["run_dir"]: read_results(r["run_dir"]) or {} for r in rows if r}
+    table = [tables.with_words(r, results[r["run_dir"]]) for r in rows
+             if r and not r.get("failed")]
+    summary = sweep_summary(table, base["baseline"])
     # The code that made the table: every commit that wrote iterations of any run of it
     commits = sorted({c for r in results.values() for c in r.get("commits") or [] if c})
-    text = (sweep_markdown(summary, baseline, failed) + "\n\nCode: "
+    text = (sweep_markdown(table, base, failed) + "\n\nCode: "
             + (", ".join(commits) or "unknown") + " (git commits, from the runs' results.json)")
-    if any("retrieval_mrr" in r for r in table):
-        text += ("\n\nBy measures the judge never saw (ROUGE-L against the human TL;DR; "
-                 "the rank of a summary's own post among the held-out posts, retrieved by "
-                 "the summary alone; the judge's score under its own post minus under "
-                 "another):\n\n" + outside_markdown(table, baseline))
     if table:
         text += "\n\n" + sweep_samples(table, results, base["baseline_posts"])
     print("\n" + text)
     if len(table) + len(failed) < len(rows):
         print(f"{len(rows) - len(table) - len(failed)} runs have not finished")
-    write_json(out / "sweep.json", {"runs": table + failed, "baseline": baseline,
+    write_json(out / "sweep.json", {"runs": table + failed, "baseline": base["baseline"],
                                     "summary": summary, "commits": commits})
     write_text(out / "sweep.md", text + "\n")
-    plot_sweep(table, baseline, out / "sweep.png")
+    plot_sweep(table, base["baseline"], out / "sweep.png")
     print(f"sweep in {out}/sweep.json, {out}/sweep.md and {out}/sweep.png")
 
 
@@ -532,28 +503,28 @@ def plot_curves(results, path):
 
 
 def plot_sweep(table, baseline, path):
-    """One point per run against beta: held-out reward (bars: its SE over posts), KL, and
-    fluency per token (a total would favour the short samples PPO learns to write)."""
+    """Where the judge and the summaries part: the judge's reward (bars: its SE over posts),
+    MRR and ROUGE-L against KL, one point per run, a colour per beta; SFT at KL 0, and the
+    OpenAI 1.3B and people rows as lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    betas = sorted({r["beta"] for r in table})
-    panels = (("reward", "reward", lambda r: r["reward"]),
-              ("kl", "KL from the reference (nats)", lambda r: r["kl"]),
-              ("fluency", "fluency, nats a token", fluency_per_token))
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
-    for ax, (key, title, value) in zip(axes, panels):
-        for i, beta in enumerate(betas):
-            runs = [r for r in table if r["beta"] == beta]
-            ax.errorbar([i] * len(runs), [value(r) for r in runs], fmt="o", color="C0",
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for ax, (title, (key, _)) in zip(axes, tables.MEASURES.items()):
+        for i, beta in enumerate(sorted({r["beta"] for r in table})):
+            runs = [r for r in table if r["beta"] == beta and key in r]
+            ax.errorbar([r["kl"] for r in runs], [r[key] for r in runs], fmt="o",
+                        color=f"C{i}", label=f"beta {beta:g}",
                         yerr=[r["reward_se"] for r in runs] if key == "reward" else None)
-        ax.axhline(value(baseline["ref"]), color="gray", ls="--", label="reference")
-        if key == "reward":
-            ax.axhline(baseline["human"]["reward"], color="C2", ls=":", label="human")
-        ax.set_xticks(range(len(betas)), [f"{b:g}" for b in betas])
-        ax.set_xlabel("beta (KL coefficient)")
-        ax.set_title(f"held-out {title}, one point per seed", fontsize=10)
-        ax.legend()
+        if key in baseline["ref"]:
+            ax.plot([0], [baseline["ref"][key]], "k*", markersize=12, label="SFT")
+        for name, style in (("openai_1b", "--"), ("human", ":")):
+            if key in baseline.get(name, {}):
+                ax.axhline(baseline[name][key], color="gray", ls=style,
+                           label="OpenAI 1.3B" if name == "openai_1b" else "people")
+        ax.set_xlabel("KL from SFT (nats)")
+        ax.set_title(f"held-out {title}, one point per run", fontsize=10)
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.tight_layout()
     save_figure(fig, path, dpi=100)
     plt.close(fig)

@@ -28,7 +28,7 @@ import torch
 import loaders
 import ppo
 import reward_model as rm
-from support import heldout, measures, report
+from support import cli, heldout, measures, report, tables
 from tools import bench_kernels, check_gpu, compare_estimators, floors, same_numbers
 from gae import advantages_and_returns, response_mask, shaped_rewards, whiten
 from lora import with_lora
@@ -430,12 +430,18 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
     out = run("ppo.py", "--preset", "tiny", "--reward-model", str(tiny_reward_model),
               "--beta", "0", "0.5", "--seeds", "0", "1", "--iterations", "1",
               "--out", str(tmp_path))
-    assert "| beta | runs | reward: mean ± SE over seeds | worst to best |" in out
-    assert "| (ref) |" in out and "| human |" in out and "Spearman's rho" in out
-    assert "By measures the judge never saw" in out and "| MRR gain over (ref) |" in out
+    assert ("| beta | runs | judge's reward: mean ± SE over seeds | worst to best "
+            "| judge's gain over (ref) | MRR | MRR gain | ROUGE-L | ROUGE-L gain |") in out
+    assert "| (ref) |" in out and "| people |" in out and "Spearman's rho" in out
+    assert "Means over seeds peak at: judge's reward, beta = " in out
+    assert "| beta | above (ref) by 2 SE: judge | MRR | ROUGE-L | all three |" in out
     assert (tmp_path / "sweep.md").read_text().strip() in out
-    big = [line for line in out.splitlines() if line.startswith("| OpenAI 1.3B PPO |")]
-    assert len(big) == 2 and [line.count("|") for line in big] == [13, 11]    # both tables
+    lines = out.splitlines()
+    table = [line for line in lines if line.startswith(("| 0 | 2 |", "| 0.5 | 2 |",
+                                                         "| OpenAI 1.3B PPO |"))]
+    more = [line for line in lines if line.startswith(("| 0 | ", "| 0.5 | ")) and " of 2 |" in line]
+    assert len(table) == 3 and {line.count("|") for line in table} == {15}      # 14 columns
+    assert len(more) == 2 and {line.count("|") for line in more} == {12}
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert sweep["commits"] == [report.git_commit()]          # the code that made the table
     assert f"Code: {report.git_commit()} (git commits" in out
@@ -542,7 +548,8 @@ def test_a_failed_run_is_a_row_of_the_sweep(tiny_judge, small_data, tmp_path,
             str(small_data), "--beta", "0", "0.5", "--iterations", "1", "--out", str(tmp_path)]
     ppo.main(argv)
     out = capsys.readouterr().out
-    assert "| 0.5 | seed 0 failed: iteration 0: the score is NaN" in out
+    assert "beta=0.5 seed 0: failed: iteration 0: the score is NaN" in out
+    assert "| 0.5 | 0 | — |" in out                     # its beta, with no finished run
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert [(r["beta"], "failed" in r) for r in sweep["runs"]] == [(0.0, False), (0.5, True)]
     assert "openai_1b" not in sweep["baseline"]     # small_data's CSV has no 1.3B summaries
@@ -568,21 +575,59 @@ def test_differences_ignore_circumstances_and_rounding_but_nothing_else():
     assert report.differences([1, 2], [1, 2, 3]) and report.differences({"a": 1}, {"b": 1})
 
 
-def test_the_sweeps_outside_table_means_seeds_and_skips_runs_without_the_measures():
-    """Two seeds at beta 0: ROUGE-L gains 0.05 and 0.07 -> +0.060 ± 0.010 (SE over seeds:
-    SD 0.01414 / sqrt 2); a beta-0.5 run from before the measures existed is left out."""
-    row = {"beta": 0.0, "seed": 0, "rouge_l": 0.2, "rouge_l_gain_over_ref": 0.05,
-           "retrieval_top1": 0.25, "retrieval_mrr": 0.4, "retrieval_mrr_gain_over_ref": 0.1,
-           "relevance_gap": 0.5, "question_fraction": 0.1, "asks_for_help": 0.05}
-    other = {**row, "seed": 1, "rouge_l": 0.3, "rouge_l_gain_over_ref": 0.07}
-    measures = {"retrieval_top1": 0.5, "retrieval_mrr": 0.6, "relevance_gap": 0.9,
-                "question_fraction": 0.0, "asks_for_help": 0.0}
-    base = {"ref": {**measures, "rouge_l": 0.15}, "human": measures}
-    lines = report.outside_markdown([row, other, {"beta": 0.5, "seed": 0}], base).splitlines()
-    assert lines[2] == ("| 0 | 2 | 0.250 | +0.060 ± 0.010 | 0.25 | 0.400 | +0.100 ± 0.000 "
-                        "| +0.50 | 0.10 | 0.05 |")
-    assert lines[3].startswith("| (ref) | | 0.150 | | 0.50 | 0.600 |")
-    assert lines[4].startswith("| human | | 1 | |") and len(lines) == 5
+def tables_run(seed, reward, kl, **changes):
+    """A finished run's row as the tables read it (finished_row with its words)."""
+    return {"beta": 0.0, "seed": seed, "reward": reward, "kl": kl, "reward_se": 0.1,
+            "gain_over_ref": reward + 1, "gain_over_ref_se": 0.2, "retrieval_mrr": 0.4,
+            "retrieval_mrr_gain_over_ref": 0.1, "retrieval_mrr_gain_over_ref_se": 0.04,
+            "rouge_l": 0.2, "rouge_l_gain_over_ref": 0.05, "rouge_l_gain_over_ref_se": 0.03,
+            "words": 20.0, "eos_fraction": 0.5, "copied_bigrams": 0.25, "asks_for_help": 0.0,
+            **changes}
+
+
+def test_tables_mean_over_seeds_with_their_se():
+    """Two seeds: rewards -0.5 and -0.3 (mean -0.40, SE = SD 0.1414 / sqrt 2 = 0.10), ROUGE-L
+    gains 0.05 and 0.07 (+0.060 ± 0.010); one seed has no SE; a run without a measure (from
+    before it existed) makes its cell a dash."""
+    runs = [tables_run(0, -0.5, 7.0), tables_run(1, -0.3, 5.0, rouge_l=0.3,
+                                                  rouge_l_gain_over_ref=0.07, words=31.0)]
+    assert tables.group_cells(runs) == [
+        "-0.40 ± 0.10", "-0.50 to -0.30", "+0.60 ± 0.10", "0.400", "+0.100 ± 0.000", "0.250",
+        "+0.060 ± 0.010", "26", "50%", "25%", "0%", "6.00"]
+    assert tables.group_cells(runs[:1])[:3] == ["-0.50", "-0.50 to -0.50", "+0.50"]
+    old = {k: v for k, v in runs[0].items() if not k.startswith("rouge_l")}
+    assert tables.group_cells([old, runs[1]])[5:7] == ["—", "—"]
+
+
+def test_tables_fixed_rows_and_the_groups_line_up():
+    measures = {"reward": -1.0, "reward_se": 0.25, "retrieval_mrr": 0.6, "asks_for_help": 0.5,
+                "copied_bigrams": 0.125}
+    base = {"baseline": {"ref": {**measures, "rouge_l": 0.15, "eos_fraction": 0.75, "kl": 0.0},
+                         "start": {**measures, "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                   "rouge_l": 0.1, "eos_fraction": 0.0, "kl": 3.0},
+                         "human": measures},
+            "baseline_posts": {name: [{"text": "one two"}, {"text": "three"}] for name in
+                               ("ref_samples", "start_samples", "human_samples")}}
+    text = tables.markdown("beta", [("0", [tables_run(0, -0.5, 7.0)]), ("2", [])], base,
+                           extra=[("more", ["a", "b"])])
+    lines = text.splitlines()
+    assert len({line.count("|") for line in lines}) == 1                # the columns line up
+    assert lines[3].startswith("| 2 | 0 | — |") and lines[3].endswith("| b |")
+    assert lines[4] == ("| SFT (ref) | | -1.00 ± 0.25 (over posts) | | | 0.600 | | 0.150 "
+                        "| | 2 | 75% | 12% | 50% | 0.00 | |")
+    assert lines[5].startswith("| SmolLM2-135M-Instruct (start) | | -1.00")
+    assert lines[6].startswith("| people |") and "| — | | 2 | — |" in lines[6]    # 1.5 words
+
+
+def test_tables_count_the_runs_above_sft_and_name_the_peaks():
+    """Above SFT by 2 SE: the judge's gain 0.5 > 2 x 0.2 and 0.3 < 0.4; MRR 0.1 > 0.08 in
+    both; ROUGE-L 0.05 < 0.06 in one, 0.07 > 0.06 in the other."""
+    runs = [tables_run(0, -0.5, 7.0), tables_run(1, -0.7, 5.0, rouge_l_gain_over_ref=0.07)]
+    assert tables.beside_sft(runs) == {"judge's reward": 1, "MRR": 2, "ROUGE-L": 1,
+                                       "all three": 0}
+    high_mrr = [tables_run(0, -1.0, 1.0, retrieval_mrr=0.9)]
+    assert tables.peaks([("0", runs), ("2", high_mrr), ("5", [])]) == {
+        "judge's reward": "0", "MRR": "2", "ROUGE-L": "0"}
 
 
 def test_spearman_on_known_ranks():
@@ -784,7 +829,7 @@ def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_mode
     assert "--estimator rloo --batch 4 --samples-per-prompt 2" in out
     table = (tmp_path / "estimators.md").read_text()
     assert table.strip() in out
-    assert "| rloo_4x2 | 1 |" in table and "| gae | 0 of 1 |" in table and "| (ref) |" in table
+    assert "| rloo_4x2 | 1 |" in table and "| (ref) |" in table and "| people |" in table
     assert len({line.count("|") for line in table.splitlines()}) == 1     # columns line up
     assert (tmp_path / "estimators.png").stat().st_size > 1000
     again = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
@@ -794,17 +839,36 @@ def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_mode
 
 
 def test_compare_estimators_table_means_over_seeds_and_the_shared_objective():
-    run = {"gain_over_ref": 2.0, "length": 20.0, "eos_fraction": 1.0, "fluency": -50.0,
-           "distinct_2": 0.8, "seconds": 600.0, "failed": None, "setting": "rloo_2x4"}
-    runs = [{**run, "seed": 0, "reward": -0.5, "kl": 7.0},
-            {**run, "seed": 1, "reward": -0.3, "kl": 5.0},
+    run = {"seconds": 600.0, "failed": None, "setting": "rloo_2x4"}
+    runs = [{**tables_run(0, -0.5, 7.0), **run}, {**tables_run(1, -0.3, 5.0), **run},
             {"setting": "reinforce", "seed": 0, "failed": "NaN in the loss"}]
-    text = compare_estimators.table(runs, None, beta=0.1)
+    text = compare_estimators.table(runs, None, 0.1, ["gae", "rloo_2x4", "reinforce"])
     # rewards -0.5, -0.3: mean -0.40, SE 0.10; reward - 0.1 KL: -1.2, -0.8: mean -1.00, SE 0.20
-    assert "| rloo_2x4 | 2 | -0.40 ± 0.10 | -1.00 ± 0.20 | +2.00 | 6.00 | 20.0 |" in text
-    assert "| reinforce | 0 of 1 |" in text and "| gae | 0 of 0 |" in text
-    assert "| reinforce seed 0 | failed: NaN in the loss |" in text
-    assert len({line.count("|") for line in text.splitlines()}) == 1
+    assert "| rloo_2x4 | 2 | -0.40 ± 0.10 | -0.50 to -0.30 |" in text
+    assert text.splitlines()[3].endswith("| 6.00 | -1.00 ± 0.20 | 10.0 |")
+    assert "| reinforce (1 failed) (0 of 1) | 0 | — |" in text and "| gae (0 of 0) | 0 |" in text
+    assert "reinforce seed 0: failed: NaN in the loss" in text
+    assert len({line.count("|") for line in text.splitlines() if "|" in line}) == 1
+
+
+def test_compare_estimators_takes_ppo_from_the_beta_sweep_at_its_budget(tmp_path):
+    """--gae-runs: PPO's runs are the sweep's beta{b}_seed{s} folders, read, not rerun; a
+    run at another budget or beta is refused in one line."""
+    sweep = tmp_path / "sweep"
+    for seed in (0, 1):
+        final = {**tables_run(seed, -0.5, 7.0), "samples": [{"text": "a b c"}]}
+        config = {"estimator": "gae", "batch": 8, "samples_per_prompt": 1, "beta": 0.1,
+                  "preset": "cpu", "seed": seed}
+        (sweep / f"beta0.1_seed{seed}").mkdir(parents=True)
+        (sweep / f"beta0.1_seed{seed}" / "results.json").write_text(json.dumps(
+            {"config": config, "iterations": [{"seconds": 60.0}], "final": final}))
+    args = SimpleNamespace(gae_runs=str(sweep), out=str(tmp_path / "out"), beta=0.1,
+                           seeds=[0, 1], preset="cpu")
+    got = compare_estimators.rows("gae", args)
+    assert [(r["seed"], r["words"], r["seconds"]) for r in got] == [(0, 3.0, 60.0), (1, 3.0, 60.0)]
+    assert compare_estimators.run_setting("gae", args) == 0          # nothing to run
+    with pytest.raises(cli.UserError, match=r"the gae run of seed 0 has preset cpu \(not blog\)"):
+        compare_estimators.rows("gae", SimpleNamespace(**{**vars(args), "preset": "blog"}))
 
 
 @pytest.mark.slow

@@ -7,18 +7,20 @@ gradient steps per iteration, for the same iterations:
 
     gae        8 prompts x 1 sample     PPO as the post, with GAE and a value head
     rloo_2x4   2 prompts x 4 samples    leave-one-out baseline
-    rloo_4x2   4 prompts x 2 samples    (k = 2: the note's contrastive form)
+    rloo_4x2   4 prompts x 2 samples    (k = 2: the note's contrastive form; not by default)
     reinforce  8 prompts x 1 sample     moving-average baseline
+    grpo_2x4   2 prompts x 4 samples    the group's mean and standard deviation
 
 each over --seeds at one beta, as a ppo.py sweep of its own in --out/<setting> (so
---resume, the ETA and the failed-run rows come from ppo.py). Then one table: held-out
-reward mean ± standard error across seeds, the same for reward - beta KL (the objective
-they share), the gain over the reference, KL, length, the share of samples that end with
-EOS, fluency, distinct-2 and the wall time of a run; and estimators.png, held-out reward
+--resume, the ETA and the failed-run rows come from ppo.py). `--gae-runs runs/ppo_sweep`
+takes PPO's runs from the beta sweep instead (the same command at that beta). Then one
+table, support/tables.py's: the judge's reward beside what it never saw (MRR, ROUGE-L and
+their gains over SFT, words, ends, copied, asks for help, KL), then reward - beta KL (the
+objective they share) and the minutes of a run; and estimators.png, the judge's reward
 against KL, one point per run (bars: SE over posts).
 
-Run:   python -m tools.compare_estimators                   (cpu preset: 12 runs of 36 to 63 min
-                                                        here, on a shared 2-core machine)
+Run:   python -m tools.compare_estimators --gae-runs runs/ppo_sweep    (cpu preset: 9 runs
+                                                      of about 15 min on a 2-core CPU)
        python -m tools.compare_estimators --preset tiny --reward-model runs/rm_tiny --seeds 0
 Again: the same command resumes; finished runs are skipped. Any other flag goes to ppo.py.
 Time:  python -m tools.compare_estimators --time 6          (each setting for 6 iterations, back to
@@ -36,8 +38,7 @@ import tempfile
 from pathlib import Path
 
 from tools.bench_parallel import print_timings, timed_run
-from support import cli, disk
-from support.measures import standard_error
+from support import cli, disk, tables
 from support.report import finished_row, read_results
 
 SETTINGS = {          # name: ppo.py flags; each draws --batch x k = 8 responses an iteration
@@ -45,13 +46,20 @@ SETTINGS = {          # name: ppo.py flags; each draws --batch x k = 8 responses
     "rloo_2x4": ["--estimator", "rloo", "--batch", "2", "--samples-per-prompt", "4"],
     "rloo_4x2": ["--estimator", "rloo", "--batch", "4", "--samples-per-prompt", "2"],
     "reinforce": ["--estimator", "reinforce", "--batch", "8"],
+    "grpo_2x4": ["--estimator", "grpo", "--batch", "2", "--samples-per-prompt", "4"],
 }
+DEFAULT = ["gae", "rloo_2x4", "reinforce", "grpo_2x4"]     # PPO and one of each other
 
 
 def run_setting(name, args):
     """One setting's sweep over the seeds, through ppo.py; --resume when it has started,
-    nothing when every run is over (--out/gae may be a link to a beta sweep's folder, whose
-    beta = 0.1 runs are this setting's: ppo.py would rewrite that sweep's table)."""
+    nothing when every run is over (or, for gae with --gae-runs, is the beta sweep's)."""
+    if name == "gae" and args.gae_runs:
+        missing = [r["seed"] for r in rows(name, args) if "reward" not in r and not r["failed"]]
+        if missing:
+            print(f"\n=== gae: the runs of seeds {missing} at beta {args.beta:g} are not over "
+                  f"in {args.gae_runs}: finish the sweep first (python ppo.py ... --resume)")
+        return 0
     if all("reward" in r or r["failed"] for r in rows(name, args)):
         print(f"\n=== {name}: every run is over, nothing to run")
         return 0
@@ -63,6 +71,15 @@ def run_setting(name, args):
                *(["--resume"] if started else [])]
     print(f"\n=== {name}: {' '.join(command[1:])}", flush=True)
     return subprocess.run(command, cwd=Path(__file__).resolve().parent.parent).returncode
+
+
+def run_folder(name, seed, args):
+    """Where ppo.py wrote one run of a setting: its own sweep's layout (a folder per seed
+    when there are several), or the beta sweep's for gae with --gae-runs."""
+    if name == "gae" and args.gae_runs:
+        return Path(args.gae_runs) / f"beta{args.beta:g}_seed{seed}"
+    folder = Path(args.out) / name
+    return folder / f"beta{args.beta:g}_seed{seed}" if len(args.seeds) > 1 else folder
 
 
 def time_settings(args):
@@ -83,50 +100,52 @@ def time_settings(args):
 
 
 def rows(name, args):
-    """Each run of one setting: its final held-out numbers, or its failure."""
+    """Each run of one setting: its final held-out numbers with its words, or its failure."""
     out = []
     for seed in args.seeds:
-        folder = Path(args.out) / name              # ppo.py's layout: a folder per run
-        folder = folder / f"beta{args.beta:g}_seed{seed}" if len(args.seeds) > 1 else folder
+        folder = run_folder(name, seed, args)
         results = read_results(folder) or {}
         row = finished_row(folder, 0) or {}         # the final numbers, or the failure
+        if "reward" in row:
+            check_budget(name, results["config"], args)
+            row = tables.with_words(row, results)
         out.append({**row, "setting": name, "seed": seed, "failed": row.get("failed"),
                     "seconds": sum(r["seconds"] for r in results.get("iterations", []))})
     return out
 
 
-def table(runs, baseline, beta):
-    """The table; "reward - beta KL" is the objective every estimator maximises (the note's
-    R = score - beta sum_t KL_t), so a setting cannot buy its reward with drift."""
-    lines = ["| setting | runs | reward: mean ± SE over seeds | reward - beta KL ± SE "
-             "| gain over (ref) | KL | length | EOS | fluency | distinct-2 "
-             "| minutes of training a run |", "|" + " --- |" * 11]
-    for name in SETTINGS:
+def check_budget(name, config, args):
+    """A run read from another folder (--gae-runs) must be this setting at this budget."""
+    flags = dict(zip(SETTINGS[name][::2], SETTINGS[name][1::2]))
+    want = {"estimator": flags["--estimator"], "batch": int(flags["--batch"]),
+            "samples_per_prompt": int(flags.get("--samples-per-prompt", 1)),
+            "beta": args.beta, "preset": args.preset}
+    differ = [f"{k} {config.get(k)} (not {v})" for k, v in want.items() if config.get(k) != v]
+    if differ:
+        raise cli.UserError(f"compare_estimators: the {name} run of seed {config.get('seed')} "
+                            f"has {', '.join(differ)}")
+
+
+def table(runs, base, beta, settings):
+    """The table of `settings` (support/tables.py's columns), then reward - beta KL, the
+    objective every estimator maximises (the note's R = score - beta sum_t KL_t, so a
+    setting cannot buy its reward with drift), and the minutes of training a run."""
+    groups, objective, minutes = [], [], []
+    for name in settings:
         mine = [r for r in runs if r["setting"] == name]
-        done, failed = [r for r in mine if "reward" in r], [r for r in mine if r["failed"]]
-        if not done:
-            lines.append(f"| {name} | 0 of {len(mine)} |" + " |" * 9)
-            continue
-        mean = lambda key: sum(r[key] for r in done) / len(done)  # noqa: E731
-        rewards = [r["reward"] for r in done]
-        objective = [r["reward"] - beta * r["kl"] for r in done]
-        lines.append(f"| {name} | {len(done)}{f' ({len(failed)} failed)' if failed else ''} "
-                     f"| {mean('reward'):.2f} ± {standard_error(rewards):.2f} "
-                     f"| {sum(objective) / len(done):.2f} ± {standard_error(objective):.2f} "
-                     f"| {mean('gain_over_ref'):+.2f} | {mean('kl'):.2f} | {mean('length'):.1f} "
-                     f"| {mean('eos_fraction'):.2f} | {mean('fluency'):.1f} "
-                     f"| {mean('distinct_2'):.3f} | {mean('seconds') / 60:.1f} |")
-    if baseline:
-        ref, human = baseline["ref"], baseline["human"]
-        lines.append(f"| (ref) | | {ref['reward']:.2f} ± {ref['reward_se']:.2f} (over posts) "
-                     f"| {ref['reward']:.2f} | | 0 | {ref['length']:.1f} "
-                     f"| {ref['eos_fraction']:.2f} | {ref['fluency']:.1f} "
-                     f"| {ref['distinct_2']:.3f} | |")
-        lines.append(f"| human | | {human['reward']:.2f} ± {human['reward_se']:.2f} (over posts)"
-                     " |" + " |" * 8)
-    lines += [f"| {r['setting']} seed {r['seed']} | failed: {r['failed']} |" + " |" * 9
-              for r in runs if r["failed"]]
-    return "\n".join(lines)
+        done = [r for r in mine if "reward" in r]
+        failed = sum(bool(r["failed"]) for r in mine)
+        label = name + (f" ({failed} failed)" if failed else "")
+        groups.append((label if done else f"{label} (0 of {len(mine)})", done))
+        objective.append(tables.over_seeds([r["reward"] - beta * r["kl"] for r in done], 2)
+                         if done else "—")
+        minutes.append(f"{sum(r['seconds'] for r in done) / len(done) / 60:.1f}" if done
+                       else "—")
+    text = tables.markdown("setting", groups, base, extra=[("reward - beta KL", objective),
+                                                           ("minutes a run", minutes)])
+    failures = [f"{r['setting']} seed {r['seed']}: failed: {r['failed']}" for r in runs
+                if r["failed"]]
+    return "\n".join([text, *failures])
 
 
 def plot(runs, beta, path):
@@ -134,7 +153,7 @@ def plot(runs, beta, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4))
-    for i, name in enumerate(SETTINGS):
+    for i, name in enumerate(dict.fromkeys(r["setting"] for r in runs)):
         done = [r for r in runs if r["setting"] == name and "reward" in r]
         ax.errorbar([r["kl"] for r in done], [r["reward"] for r in done], fmt="o",
                     yerr=[r["reward_se"] for r in done], color=f"C{i}", label=name)
@@ -163,8 +182,10 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--reward-model", default="runs/reward_model")
     parser.add_argument("--out", default="runs/estimators")
-    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
-                        help="run only these (the table shows every one that has results)")
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=DEFAULT,
+                        help=f"run and show these (default: {' '.join(DEFAULT)})")
+    parser.add_argument("--gae-runs", metavar="SWEEP", help="take gae's runs from this ppo.py "
+                        "sweep folder (its --beta runs of these seeds), e.g. runs/ppo_sweep")
     parser.add_argument("--table-only", action="store_true", help="run nothing; print the table")
     parser.add_argument("--time", type=int, metavar="N", help="instead of the experiment, time "
                         "N iterations of each setting, back to back (on an idle machine)")
@@ -183,10 +204,12 @@ def experiment(args):
         for name in args.settings:
             if run_setting(name, args):
                 print(f"{name}: ppo.py stopped with an error; its finished runs still count")
-    runs = [r for name in SETTINGS for r in rows(name, args)]
-    baselines = sorted(Path(args.out).glob("*/baseline.json"))
-    baseline = json.loads(baselines[0].read_text())["baseline"] if baselines else None
-    text = table(runs, baseline, args.beta)
+    runs = [r for name in args.settings for r in rows(name, args)]
+    baselines = [*sorted(Path(args.out).glob("*/baseline.json")),       # one judge: any
+                 *([Path(args.gae_runs) / "baseline.json"] if args.gae_runs else [])]
+    baselines = [path for path in baselines if path.is_file()]
+    base = json.loads(baselines[0].read_text()) if baselines else None
+    text = table(runs, base, args.beta, args.settings)
     print("\n" + text)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     disk.write_text(Path(args.out) / "estimators.md", text + "\n")
