@@ -18,6 +18,7 @@ Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
     sweep_summary, sweep_markdown, report_sweep     the sweep's table, per beta over seeds
                           (the judge beside what it never saw: support/tables.py)
     sweep_samples         what its samples look like: question-shaped ones, a median one
+    side_by_side          the best and the worst beta's summaries of the same posts
     plot_curves, plot_sweep                   curves.png and sweep.png
 
 Used by: ppo.py (tests: tests/test_ppo.py, resume and sweep end to end).
@@ -461,6 +462,30 @@ def sweep_samples(table, results, posts):
     return "\n".join(lines)
 
 
+def side_by_side(table, results, posts, n=3):
+    """The summaries of the beta with the highest mean judge's reward and of the one with
+    the lowest, side by side on the first `n` held-out posts (not chosen: the same posts
+    for every sweep), from each beta's lowest seed, beside SFT's and people's."""
+    def quote(sample, n=200):
+        text = " ".join(sample["text"].split()).replace("|", "/")
+        return repr(text if len(text) <= n else text[:n] + "...") + f" ({sample['reward']:+.2f})"
+    means = {b: sum(r["reward"] for r in table if r["beta"] == b)
+             / sum(r["beta"] == b for r in table) for b in {r["beta"] for r in table}}
+    best, worst = max(means, key=means.get), min(means, key=means.get)
+    first = {b: min((r for r in table if r["beta"] == b), key=lambda r: r["seed"])
+             for b in (best, worst)}
+    by_post = lambda rows: {s["post"]: s for s in rows}  # noqa: E731
+    samples = {b: by_post(results[first[b]["run_dir"]]["final"]["samples"]) for b in first}
+    ref, human = by_post(posts["ref_samples"]), by_post(posts["human_samples"])
+    lines = [f"| post | beta {best:g}, seed {first[best]['seed']} (highest judge's reward) "
+             f"| beta {worst:g}, seed {first[worst]['seed']} (lowest) | the reference "
+             "| people |", "|" + " --- |" * 5]
+    for i in sorted(ref)[:n]:
+        lines.append(f"| {i} | {quote(samples[best][i])} | {quote(samples[worst][i])} "
+                     f"| {quote(ref[i])} | {quote(human[i])} |")
+    return "\n".join(lines)
+
+
 def report_sweep(rows, base, out):
     """The post's table from every run's row (report.finished_row): printed, and written as
     sweep.md, sweep.json and sweep.png. A failed run is a row of its own. The table ends
@@ -476,7 +501,8 @@ def report_sweep(rows, base, out):
     text = (sweep_markdown(table, base, failed) + "\n\nCode: "
             + (", ".join(commits) or "unknown") + " (git commits, from the runs' results.json)")
     if table:
-        text += "\n\n" + sweep_samples(table, results, base["baseline_posts"])
+        text += ("\n\n" + sweep_samples(table, results, base["baseline_posts"]) + "\n\n"
+                 + side_by_side(table, results, base["baseline_posts"]))
     print("\n" + text)
     if len(table) + len(failed) < len(rows):
         print(f"{len(rows) - len(table) - len(failed)} runs have not finished")

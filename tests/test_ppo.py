@@ -434,6 +434,7 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
             "| judge's gain over (ref) | MRR | MRR gain | ROUGE-L | ROUGE-L gain |") in out
     assert "| (ref) |" in out and "| people |" in out and "Spearman's rho" in out
     assert "Means over seeds peak at: judge's reward, beta = " in out
+    assert "(highest judge's reward) | beta " in out                # the samples side by side
     assert "| beta | above (ref) by 2 SE: judge | MRR | ROUGE-L | all three |" in out
     assert (tmp_path / "sweep.md").read_text().strip() in out
     lines = out.splitlines()
@@ -695,6 +696,24 @@ def test_sweep_samples_pools_seeds_and_names_the_median():
     assert lines[2] == ("| 0 | 0.50 (0.50, 0.50) | 'Help?' (+1.00) | \"people's zero?\" |")
     assert lines[3] == "| (ref) | 0.00 | 'long' (-2.00) | |"
     assert lines[4] == "| human | 0.50 | 'one' (+0.10) | |"
+
+def test_side_by_side_shows_the_best_and_worst_betas_lowest_seed_on_the_first_posts():
+    def sample(post, reward, text):
+        return {"post": post, "reward": reward, "text": text}
+    results = {d: {"final": {"samples": [sample(0, r, f"{d} zero"), sample(1, r, f"{d} one")]}}
+               for d, r in (("b0s1", 1.0), ("b0s0", 3.0), ("b2s0", -1.0), ("b1s0", 0.0))}
+    table = [{"beta": 0.0, "seed": 1, "reward": 1.0, "run_dir": "b0s1"},
+             {"beta": 0.0, "seed": 0, "reward": 3.0, "run_dir": "b0s0"},   # beta 0: mean 2
+             {"beta": 2.0, "seed": 0, "reward": -1.0, "run_dir": "b2s0"},
+             {"beta": 1.0, "seed": 0, "reward": 0.0, "run_dir": "b1s0"}]
+    posts = {"ref_samples": [sample(1, -2.0, "ref one"), sample(0, -1.0, "ref | zero")],
+             "human_samples": [sample(0, 0.5, "people zero"), sample(1, 0.1, "people one")]}
+    lines = report.side_by_side(table, results, posts, n=1).splitlines()
+    assert lines[0] == ("| post | beta 0, seed 0 (highest judge's reward) | beta 2, seed 0 "
+                        "(lowest) | the reference | people |")
+    assert lines[2] == ("| 0 | 'b0s0 zero' (+3.00) | 'b2s0 zero' (-1.00) | 'ref / zero' (-1.00) "
+                        "| 'people zero' (+0.50) |") and len(lines) == 3
+
 
 # ------------------------------------------- --estimator, --samples-per-prompt, value options
 
