@@ -45,10 +45,17 @@ from support.report import (load_baseline, plot_curves, print_gain, print_row,
 MEASURES = 5
 OUTSIDE = ("rouge_l", "retrieval_rank", "relevance_gap", "question", "asks_help")  # per sample
 DRAWS_KEY = ("prompt_tokens", "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts",
-             "batch", "samples_per_prompt", "precision", "decoding")
+             "precision", "decoding")
 BASELINE_KEY = ("model", "reward_model", "reward", "data_dir", "preset", "prompt_tokens",
-                "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts", "batch",
-                "samples_per_prompt", "precision", "decoding")
+                "max_new_tokens", "temperature", "top_k", "top_p", "eval_prompts", "precision",
+                "decoding")
+
+
+def held_out_batch(cfg):
+    """How many held-out posts ppo.rollouts samples at once: one iteration's responses,
+    batch x samples_per_prompt (8 for every setting of tools/compare_estimators.py, which
+    so share the reference's rows). The draws depend on it, not on its two factors."""
+    return cfg.batch * cfg.samples_per_prompt
 
 
 def outside_measures(samples, held_out, reward, tokenizer, written=False, human=False):
@@ -130,8 +137,8 @@ def draws_key(cfg, held_out, device):
     posts, the device and torch. sft.py keeps it beside its samples; ppo.py reads them back
     (`sft_draws`) only where its own agrees."""
     posts = hashlib.sha256(json.dumps([p["prompt"] for p in held_out]).encode()).hexdigest()
-    return {**{k: getattr(cfg, k) for k in DRAWS_KEY}, "posts": posts, "device": str(device),
-            "torch": torch.__version__}
+    return {**{k: getattr(cfg, k) for k in DRAWS_KEY}, "held_out_batch": held_out_batch(cfg),
+            "posts": posts, "device": str(device), "torch": torch.__version__}
 
 
 def sft_draws(cfg, held_out, device):
@@ -177,7 +184,8 @@ def reference_and_human(cfg, models, held_out, folder, rollouts):
     read back only when the settings that made them (BASELINE_KEY) and the fingerprint of
     the judge, the reference and the posts agree. Read back, they are the same numbers."""
     reference, reward, tokenizer, device = models
-    key = {**{k: getattr(cfg, k) for k in BASELINE_KEY}, "measures": MEASURES,
+    key = {**{k: getattr(cfg, k) for k in BASELINE_KEY}, "held_out_batch": held_out_batch(cfg),
+           "measures": MEASURES,
            "fingerprint": fingerprint(cfg, models, held_out)}
     for path in ([folder / "baseline.json"] if cfg.resume else []) + [judge_copy(cfg, key)]:
         if stored := load_baseline(path, key):

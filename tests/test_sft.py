@@ -233,7 +233,8 @@ def test_ppo_reads_sft_draws_back_to_the_same_rows_it_would_sample(tiny_sft, tin
     """ppo.py scores the ids sft.py drew for its reference and start rows rather than
     drawing them again: every number of those rows, per post too, is the one a fresh draw
     gives (a copy of the SFT folder without the key samples from scratch). Another sampler
-    setting does not read them back."""
+    setting does not read them back. RLOO's 2 prompts x 2 samples share PPO's rows (held-out
+    batches of 4 either way): it reads back the judge's copy of the "read" run's."""
     out, _ = tiny_sft
     judge = tmp_path / "judge"                          # no rows kept beside it by other tests
     shutil.copytree(tiny_reward_model, judge, ignore=shutil.ignore_patterns("baselines"))
@@ -243,18 +244,22 @@ def test_ppo_reads_sft_draws_back_to_the_same_rows_it_would_sample(tiny_sft, tin
     del saved["draws_key"]                              # an older sft.py's: draw again
     (fresh / "results.json").write_text(json.dumps(saved))
     finals = {}
+    grouped = ["--estimator", "rloo", "--batch", "2", "--samples-per-prompt", "2"]
     for name, model, extra in (("read", out, []), ("drawn", fresh, []),
-                               ("hotter", out, ["--temperature", "0.9"])):
+                               ("hotter", out, ["--temperature", "0.9"]),
+                               ("grouped", out, grouped)):
         done = run("ppo.py", "--preset", "tiny", "--model", str(model), "--iterations", "1",
                    "--reward-model", str(judge), "--out", str(tmp_path / name), *extra)
         assert done.returncode == 0, done.stderr[-2000:]
         assert ("sft.py drew" in done.stdout) == (name == "read")
+        assert ("rows: from" in done.stdout) == (name == "grouped")    # the judge's copy
         finals[name] = json.loads((tmp_path / name / "results.json").read_text())["final"]
     for key in ("ref", "start", "ref_samples", "start_samples"):
-        read, drawn = finals["read"][key], finals["drawn"][key]
-        if key == "start":
-            read, drawn = {**read, "model": None}, {**drawn, "model": None}
-        assert read == drawn, key
+        for name in ("drawn", "grouped"):
+            read, other = finals["read"][key], finals[name][key]
+            if key == "start":
+                read, other = {**read, "model": None}, {**other, "model": None}
+            assert read == other, (key, name)
 
 
 @pytest.mark.slow
