@@ -19,6 +19,7 @@ Kept apart from ppo.py so that the loop reads like the post. Nothing here is RL:
                           (the judge beside what it never saw: support/tables.py)
     sweep_samples         what its samples look like: question-shaped ones, a median one
     side_by_side          the best and the worst beta's summaries of the same posts
+    per_run_markdown      every run's gains over the reference, ± SE over posts
     plot_curves, plot_sweep                   curves.png and sweep.png
 
 Used by: ppo.py (tests: tests/test_ppo.py, resume and sweep end to end).
@@ -405,6 +406,7 @@ def sweep_markdown(table, base, failed):
         lines.append("\nMeans over seeds peak at: " + "; ".join(
             f"{measure}, beta = {name}" for measure, name in peak.items()) + ".")
     lines.append("\n" + more_markdown(groups, sweep_summary(table, base["baseline"])))
+    lines.append("\nEvery run (± SE over the posts):\n\n" + per_run_markdown(table))
     return "\n".join(lines)
 
 
@@ -432,6 +434,21 @@ def more_markdown(groups, summary):
     rho = summary["spearman_beta_kl"]
     lines.append(f"\nSpearman's rho of beta and the final KL over {n} runs: "
                  + ("n/a (one beta)" if math.isnan(rho) else f"{rho:+.2f}") + ".")
+    return "\n".join(lines)
+
+
+def per_run_markdown(table):
+    """Every finished run: the judge's reward, and its gains over the reference on the judge,
+    MRR and ROUGE-L, each ± its SE over the posts (paired), with KL and words."""
+    lines = ["| beta | seed | judge's reward | judge's gain over (ref) | MRR gain | ROUGE-L gain "
+             "| KL | words |", "|" + " --- |" * 8]
+    for r in sorted(table, key=lambda r: (r["beta"], r["seed"])):
+        gain = lambda key, d: (f"{r[key]:+.{d}f} ± {r[key + '_se']:.{d}f}"  # noqa: E731
+                               if key in r else "—")
+        lines.append(f"| {r['beta']:g} | {r['seed']} | {r['reward']:.2f} ± {r['reward_se']:.2f} "
+                     f"| {gain('gain_over_ref', 2)} | {gain('retrieval_mrr_gain_over_ref', 3)} "
+                     f"| {gain('rouge_l_gain_over_ref', 3)} | {r['kl']:.2f} "
+                     f"| {r['words']:.0f} |")
     return "\n".join(lines)
 
 

@@ -435,6 +435,7 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
     assert "| (ref) |" in out and "| people |" in out and "Spearman's rho" in out
     assert "Means over seeds peak at: judge's reward, beta = " in out
     assert "(highest judge's reward) | beta " in out                # the samples side by side
+    assert "| beta | seed | judge's reward | judge's gain over (ref) |" in out     # every run
     assert "| beta | above (ref) by 2 SE: judge | MRR | ROUGE-L | all three |" in out
     assert (tmp_path / "sweep.md").read_text().strip() in out
     lines = out.splitlines()
@@ -696,6 +697,16 @@ def test_sweep_samples_pools_seeds_and_names_the_median():
     assert lines[2] == ("| 0 | 0.50 (0.50, 0.50) | 'Help?' (+1.00) | \"people's zero?\" |")
     assert lines[3] == "| (ref) | 0.00 | 'long' (-2.00) | |"
     assert lines[4] == "| human | 0.50 | 'one' (+0.10) | |"
+
+def test_per_run_table_gives_each_gain_with_its_se_over_posts():
+    runs = [tables_run(1, -0.7, 5.0, beta=0.1), tables_run(0, -0.5, 7.0, beta=0.1),
+            {**tables_run(0, 0.2, 9.0), "words": 12.4}]
+    lines = report.per_run_markdown(runs).splitlines()
+    assert [line.split(" | ")[:2] for line in lines[2:]] == [["| 0", "0"], ["| 0.1", "0"],
+                                                             ["| 0.1", "1"]]
+    assert lines[2] == ("| 0 | 0 | 0.20 ± 0.10 | +1.20 ± 0.20 | +0.100 ± 0.040 "
+                        "| +0.050 ± 0.030 | 9.00 | 12 |")
+
 
 def test_side_by_side_shows_the_best_and_worst_betas_lowest_seed_on_the_first_posts():
     def sample(post, reward, text):
