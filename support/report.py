@@ -547,8 +547,8 @@ def plot_curves(results, path):
 
 def plot_sweep(table, baseline, path):
     """Where the judge and the summaries part: the judge's reward (bars: its SE over posts),
-    MRR and ROUGE-L against KL, one point per run, a colour per beta; SFT at KL 0, and the
-    OpenAI 1.3B and people rows as lines."""
+    MRR and ROUGE-L against KL, one point per run, a colour per beta; the reference (SFT)
+    at KL 0, and the OpenAI 1.3B and people rows as lines (people have no ROUGE-L)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -560,14 +560,16 @@ def plot_sweep(table, baseline, path):
                         color=f"C{i}", label=f"beta {beta:g}",
                         yerr=[r["reward_se"] for r in runs] if key == "reward" else None)
         if key in baseline["ref"]:
-            ax.plot([0], [baseline["ref"][key]], "k*", markersize=12, label="SFT")
+            ax.plot([0], [baseline["ref"][key]], "k*", markersize=12,
+                    label="the reference (SFT)" if "start" in baseline else "the reference")
         for name, style in (("openai_1b", "--"), ("human", ":")):
             if key in baseline.get(name, {}):
                 ax.axhline(baseline[name][key], color="gray", ls=style,
                            label="OpenAI 1.3B" if name == "openai_1b" else "people")
-        ax.set_xlabel("KL from SFT (nats)")
+        ax.set_xlabel("KL from the reference (nats)")
         ax.set_title(f"held-out {title}, one point per run", fontsize=10)
-    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    axes[-1].legend(*axes[0].get_legend_handles_labels(), loc="upper left",   # every entry
+                    bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.tight_layout()
     save_figure(fig, path, dpi=100)
     plt.close(fig)
