@@ -518,8 +518,9 @@ def report_sweep(rows, base, out):
     text = (sweep_markdown(table, base, failed) + "\n\nCode: "
             + (", ".join(commits) or "unknown") + " (git commits, from the runs' results.json)")
     if table:
-        text += ("\n\n" + sweep_samples(table, results, base["baseline_posts"]) + "\n\n"
-                 + side_by_side(table, results, base["baseline_posts"]))
+        text += "\n\n" + sweep_samples(table, results, base["baseline_posts"])
+    if len({r["beta"] for r in table}) > 1:         # a best and a worst beta to set side by side
+        text += "\n\n" + side_by_side(table, results, base["baseline_posts"])
     print("\n" + text)
     if len(table) + len(failed) < len(rows):
         print(f"{len(rows) - len(table) - len(failed)} runs have not finished")

@@ -552,6 +552,7 @@ def test_a_failed_run_is_a_row_of_the_sweep(tiny_judge, small_data, tmp_path,
     out = capsys.readouterr().out
     assert "beta=0.5 seed 0: failed: iteration 0: the score is NaN" in out
     assert "| 0.5 | 0 | — |" in out                     # its beta, with no finished run
+    assert "(highest judge's reward)" not in out        # one beta done: no best beside worst
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert [(r["beta"], "failed" in r) for r in sweep["runs"]] == [(0.0, False), (0.5, True)]
     assert "openai_1b" not in sweep["baseline"]     # small_data's CSV has no 1.3B summaries
