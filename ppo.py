@@ -55,11 +55,8 @@ DDP:   torchrun --standalone --nproc_per_node N ppo.py --beta 0.1      (support/
 Test:  pytest tests/test_ppo.py
 """
 
-import contextlib
 import copy
-import dataclasses
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,15 +75,13 @@ from gae import (ESTIMATORS, GAMMA, LAM, AdaptiveKLController,
                  whiten)
 from loaders import encode, micro_batches
 from lora import adapter_numel, with_lora
-from support import cli, disk
+from support import cli, disk, sweep
 from support.config import option, read_config
-from support.heldout import evaluate_run, keep_for_judge, reference_and_human
+from support.heldout import evaluate_run, reference_and_human
 from support.measures import copied_bigrams
-from support.report import (Laps, NonFiniteError, check_finite,
-                            check_run_folders, checkpoint_iteration, finished_row,
-                            has_checkpoint, iteration_row, record_failure, record_iteration,
-                            report_sweep, resume_hint, run_bytes, save_checkpoint,
-                            start_results, write_json)
+from support.report import (Laps, NonFiniteError, check_finite, check_run_folders,
+                            iteration_row, record_iteration, save_checkpoint, start_results)
+from support.sweep import out_folder, run_config, run_dir_for, runs
 
 
 # ======================================================== the post's hyperparameters
@@ -760,29 +755,6 @@ ESTIMATOR_NOTE = {"rloo": "the other samples of the same prompt",
                   "grpo": "the mean of the prompt's samples"}
 
 
-def runs(cfg):
-    """Every (beta, seed) pair: one run each; more than one is a sweep."""
-    return [(beta, seed) for beta in cfg.beta for seed in cfg.seeds]
-
-
-def run_config(cfg, beta, seed):
-    """One run's settings, as results.json keeps them: the config with its beta and seed, and
-    the number of processes (torchrun's ranks; each samples its own stream)."""
-    return {**dataclasses.asdict(cfg), "beta": beta, "seed": seed,
-            "processes": parallel.size()}
-
-
-def run_dir_for(cfg, beta, seed):
-    sweep = len(runs(cfg)) > 1
-    base = Path(cfg.out or ("runs/ppo_sweep" if sweep else f"runs/ppo_beta{beta:g}_seed{seed}"))
-    return base / f"beta{beta:g}_seed{seed}" if sweep else base
-
-
-def out_folder(cfg, plan):
-    """The folder the whole command writes: the sweep's, or the one run's."""
-    return Path(cfg.out or "runs/ppo_sweep") if len(plan) > 1 else plan[0][2]
-
-
 def main(argv=None):
     parallel.setup()                                    # under torchrun only
     cfg = parse_args(argv)
@@ -819,55 +791,21 @@ def run_plan(cfg, plan, folder):
     reward = rm.load_reward_model(reward_path, device=device)
     pool, held_out = loaders.load_prompts(cfg, tokenizer, posts)
     models = (reference, reward, tokenizer, device)
-    check_room(cfg, plan, folder, reference)            # before the long part
+    sweep.check_room(cfg, plan, folder, adapter_numel(reference),       # before the long part
+                     reference.config.hidden_size)
 
     # The held-out evaluation runs on rank 0 alone; the others wait at their next collective.
     base = (reference_and_human(cfg, models, held_out, folder, rollouts) if parallel.is_main()
             else None)
 
-    started, trained, base_saved = time.time(), 0, False
-    for k, (beta, seed, run_dir) in enumerate(plan):
-        if cfg.resume and finished_row(run_dir, cfg.iterations):
-            print(f"{run_dir}: finished before, skipped")
-            continue
-        start = checkpoint_iteration(run_dir) if cfg.resume else 0
-        # A run that fails before its first checkpoint leaves no folder behind; one that
-        # cannot write says where its last checkpoint is.
-        with (cli.new_folders(run_dir, keep=has_checkpoint) if parallel.is_main()
-              else contextlib.nullcontext()), resume_hint(run_dir):
-            try:
-                policy, _, results = train(cfg, beta, seed, models, pool, run_dir,
-                                           progress=parallel.is_main())
-            except NonFiniteError as error:
-                if len(plan) == 1:
-                    raise
-                print(f"beta={beta:g} seed={seed} failed: {error}")    # a row, not a gap
-                record_failure(run_dir, run_config(cfg, beta, seed), error)
-                continue
-            if not base_saved:      # once, for a resumed sweep and later runs to read back
-                write_json(folder / "baseline.json", base)
-                keep_for_judge(cfg, base)
-                base_saved = True
-            if parallel.is_main():
-                evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir,
-                             rollouts)
-        trained += cfg.iterations - start
-        left = sum(not finished_row(d, cfg.iterations) for _, _, d in plan[k + 1:])
-        if left and trained:    # at this process's pace so far, evaluation included
-            eta = (time.time() - started) / trained * cfg.iterations * left
-            print(f"sweep: {len(plan) - left} of {len(plan)} runs over, about "
-                  + (f"{eta / 60:.0f} min" if eta > 90 else f"{eta:.0f} s") + " to go")
-    if len(plan) > 1 and parallel.is_main():    # the table, from every run's results.json
-        report_sweep([finished_row(d, cfg.iterations) for _, _, d in plan], base, folder)
+    def train_run(beta, seed, run_dir):
+        return train(cfg, beta, seed, models, pool, run_dir, progress=parallel.is_main())
 
+    def evaluate(beta, seed, policy, results, run_dir):
+        evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir,
+                     rollouts)
 
-def check_room(cfg, plan, folder, reference):
-    """Refuse in one line, before the long part, when the disk cannot hold what the runs
-    still to do will write (report.run_bytes each; a sweep's table and baseline once)."""
-    one = run_bytes(adapter_numel(reference), reference.config.hidden_size, cfg)
-    left = [d for _, _, d in plan if not (cfg.resume and finished_row(d, cfg.iterations))]
-    need = len(left) * one + (one // 2 if len(plan) > 1 else 0)
-    disk.check_room(folder, need, f"{len(left)} run{'s' * (len(left) > 1)} in {folder}")
+    sweep.run_all(cfg, plan, folder, base, train_run, evaluate)
 
 
 if __name__ == "__main__":
