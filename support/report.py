@@ -546,19 +546,23 @@ def plot_curves(results, path):
     plt.close(fig)
 
 
-def plot_sweep(table, baseline, path):
+def plot_sweep(table, baseline, path, group="beta", objective_beta=None):
     """Where the judge and the summaries part: the judge's reward (bars: its SE over posts),
-    MRR and ROUGE-L against KL, one point per run, a colour per beta; the reference (SFT)
-    at KL 0, and the OpenAI 1.3B and people rows as lines (people have no ROUGE-L)."""
+    MRR and ROUGE-L against KL, one point per run, a colour per value of `group` ("beta",
+    or compare_estimators' "setting"); the reference (SFT) at KL 0, and the OpenAI 1.3B and
+    people rows as lines (people have no ROUGE-L). With `objective_beta`, the judge's panel
+    has lines of equal reward - beta KL, the objective of runs at that beta."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    values = (sorted({r["beta"] for r in table}) if group == "beta"
+              else list(dict.fromkeys(r[group] for r in table)))        # the table's order
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for ax, (title, (key, _)) in zip(axes, tables.MEASURES.items()):
-        for i, beta in enumerate(sorted({r["beta"] for r in table})):
-            runs = [r for r in table if r["beta"] == beta and key in r]
+        for i, value in enumerate(values):
+            runs = [r for r in table if r[group] == value and key in r]
             ax.errorbar([r["kl"] for r in runs], [r[key] for r in runs], fmt="o",
-                        color=f"C{i}", label=f"beta {beta:g}",
+                        color=f"C{i}", label=f"beta {value:g}" if group == "beta" else value,
                         yerr=[r["reward_se"] for r in runs] if key == "reward" else None)
         if key in baseline["ref"]:
             ax.plot([0], [baseline["ref"][key]], "k*", markersize=12,
@@ -567,6 +571,8 @@ def plot_sweep(table, baseline, path):
             if key in baseline.get(name, {}):
                 ax.axhline(baseline[name][key], color="gray", ls=style,
                            label="OpenAI 1.3B" if name == "openai_1b" else "people")
+        if key == "reward" and objective_beta is not None:
+            equal_objective_lines(ax, objective_beta)
         ax.set_xlabel("KL from the reference (nats)")
         ax.set_title(f"held-out {title}, one point per run", fontsize=10)
     axes[-1].legend(*axes[0].get_legend_handles_labels(), loc="upper left",   # every entry
@@ -574,6 +580,18 @@ def plot_sweep(table, baseline, path):
     fig.tight_layout()
     save_figure(fig, path, dpi=100)
     plt.close(fig)
+
+
+def equal_objective_lines(ax, beta):
+    """Grey lines of equal reward - beta KL, 0.1 apart, across the panel: a point up and to
+    the right of another is only better on the objective when it sits on a higher line."""
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    levels = range(math.floor(10 * (y0 - beta * x1)), math.ceil(10 * (y1 - beta * x0)) + 1)
+    for k, level in enumerate(c / 10 for c in levels):
+        ax.plot([x0, x1], [level + beta * x0, level + beta * x1], color="0.85", lw=0.8,
+                zorder=0, label=None if k else f"equal reward - {beta:g} KL (0.1 apart)")
+    ax.set_xlim(x0, x1)
+    ax.set_ylim(y0, y1)
 
 
 # ------------------------------------------------------------- one run's bookkeeping

@@ -16,8 +16,9 @@ each over --seeds at one beta, as a ppo.py sweep of its own in --out/<setting> (
 takes PPO's runs from the beta sweep instead (the same command at that beta). Then one
 table, support/tables.py's: the judge's reward beside what it never saw (MRR, ROUGE-L and
 their gains over SFT, words, ends, copied, asks for help, KL), then reward - beta KL (the
-objective they share) and the minutes of a run; and estimators.png, the judge's reward
-against KL, one point per run (bars: SE over posts).
+objective they share) and the minutes of a run; and estimators.png, the sweep's plot with a
+colour per setting: the judge's reward (with lines of equal reward - beta KL), MRR and
+ROUGE-L against KL, one point per run.
 
 Run:   python -m tools.compare_estimators --gae-runs runs/ppo_sweep    (cpu preset: 9 runs
                                                       of about 15 min on a 2-core CPU)
@@ -31,7 +32,6 @@ Time:  python -m tools.compare_estimators --time 6          (each setting for 6 
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import tempfile
@@ -39,7 +39,7 @@ from pathlib import Path
 
 from tools.bench_parallel import print_timings, timed_run
 from support import cli, disk, tables
-from support.report import finished_row, read_results
+from support.report import finished_row, plot_sweep, read_results
 
 SETTINGS = {          # name: ppo.py flags; each draws --batch x k = 8 responses an iteration
     "gae": ["--estimator", "gae", "--batch", "8"],
@@ -148,33 +148,6 @@ def table(runs, base, beta, settings):
     return "\n".join([text, *failures])
 
 
-def plot(runs, beta, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for i, name in enumerate(dict.fromkeys(r["setting"] for r in runs)):
-        done = [r for r in runs if r["setting"] == name and "reward" in r]
-        ax.errorbar([r["kl"] for r in done], [r["reward"] for r in done], fmt="o",
-                    yerr=[r["reward_se"] for r in done], color=f"C{i}", label=name)
-    # Lines of equal reward - beta KL, the objective: a point up and to the right of another
-    # is only better when it sits on a higher line.
-    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
-    levels = range(math.floor(10 * (y0 - beta * x1)), math.ceil(10 * (y1 - beta * x0)) + 1)
-    for k, level in enumerate(c / 10 for c in levels):
-        ax.plot([x0, x1], [level + beta * x0, level + beta * x1], color="0.85", lw=0.8,
-                zorder=0, label=None if k else "equal reward - beta KL (0.1 apart)")
-    ax.set_xlim(x0, x1)
-    ax.set_ylim(y0, y1)
-    ax.set_xlabel("held-out KL from the reference (nats)")
-    ax.set_ylabel("held-out reward (bars: SE over posts)")
-    ax.set_title(f"beta = {beta:g}: one point per run")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
-    fig.tight_layout()
-    disk.save_figure(fig, path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="cpu", choices=("cpu", "blog", "tiny"))
@@ -213,7 +186,9 @@ def experiment(args):
     print("\n" + text)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     disk.write_text(Path(args.out) / "estimators.md", text + "\n")
-    plot(runs, args.beta, Path(args.out) / "estimators.png")
+    if base:
+        plot_sweep([r for r in runs if "reward" in r], base["baseline"],
+                   Path(args.out) / "estimators.png", group="setting", objective_beta=args.beta)
     print(f"\ntable in {args.out}/estimators.md, plot in {args.out}/estimators.png")
 
 
