@@ -34,6 +34,8 @@ Empty inputs: a mask with no real token raises ValueError wherever an average or
 "last token" would be needed (`masked_mean`, `whiten`, `last_token_index`,
 `shaped_rewards`); `advantages_and_returns` returns exact zeros there. Never NaN.
 """
+import math
+
 import torch
 
 GAMMA, LAM = 0.99, 0.95  # the post's values ("The state and the action" listing)
@@ -184,7 +186,7 @@ def whiten(x, mask, shift_mean=True, eps=1e-6):
 # Ahmadian et al. 2024, arXiv:2402.14740 (RLOO, REINFORCE with a moving-average baseline);
 # Shao et al. 2024, arXiv:2402.03300, sec. 4.1 (GRPO); Liu et al. 2025, arXiv:2503.20783
 # (Dr. GRPO: GRPO's 1/|y_i| and 1/std terms are biased; dropping both removes the bias).
-ESTIMATORS = ("gae", "rloo", "reinforce", "grpo")
+ESTIMATORS = ("gae", "rloo", "reinforce", "grpo", "raft")
 
 
 def sequence_rewards(rewards, kl, mask, beta):
@@ -192,6 +194,19 @@ def sequence_rewards(rewards, kl, mask, beta):
     the reward model's scores, kl and mask (B, T). (B,)"""
     # R(x, y) = r(x, y) - beta sum_t D_KL^(t)      (the note's bandit view of eq. (3))
     return rewards - beta * torch.where(mask.bool(), kl, 0.0).sum(-1)
+
+
+def noisy_scores(rewards, sd, seed, iteration, stream=0):
+    """The judge's scores with Gaussian noise of SD `sd` (the RLOO note's reward-noise test):
+    r_i + sd z_i, z_i ~ N(0, 1) from a generator of its own, seeded by (seed, iteration,
+    stream: torchrun's rank), so that the global RNG (sampling) is untouched and a resumed
+    run draws the same noise. sd = 0 returns `rewards` itself. rewards: (B,) -> (B,)"""
+    if sd == 0:
+        return rewards
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + iteration) * 1_009 + stream)
+    z = torch.randn(rewards.shape, generator=generator, dtype=torch.float64)   # (B,) on the CPU
+    # r_i + sd z_i
+    return rewards + (sd * z).to(rewards.dtype).to(rewards.device)
 
 
 def _group_sums(x, group):
@@ -265,16 +280,37 @@ def reinforce_advantages(R, baseline, decay=0.9):
     return R - b, decay * b + (1 - decay) * mean
 
 
+def raft_weights(R, group):
+    """RAFT (reward-ranked fine-tuning): 1 on the best sample of each prompt's group by R,
+    0 on the others; a tie goes to the first. The supervised loss (13) on the best is then
+    -(1/prompts) sum_best sum_t log pi(y_t), which the sequence-averaged loss
+    -(1/B) sum_i w_i sum_t log pi reaches with w_i = k on the best (B = prompts x k).
+    R, group: (B,) -> (B,) in R's dtype"""
+    groups = int(group.max()) + 1
+    best = torch.full((groups,), -math.inf, dtype=R.dtype, device=R.device)
+    best = best.scatter_reduce(0, group, R, reduce="amax")            # (groups,) max R
+    rows = torch.arange(len(R), device=R.device)
+    first = torch.full((groups,), len(R), device=R.device)
+    first = first.scatter_reduce(0, group, torch.where(R == best[group], rows, len(R)),
+                                 reduce="amin")                        # (groups,) its row
+    _, k = _group_sums(torch.ones_like(R), group)                      # (B,) group sizes
+    # w_i = k 1[i = argmax_{j in group(i)} R_j]
+    return torch.where(first[group] == rows, k, torch.zeros_like(R))
+
+
 def sequence_advantages(estimator, R, group, baseline=None, decay=0.9, unbiased=False):
-    """A_i for --estimator rloo, reinforce or grpo, and the next REINFORCE baseline (the
-    others pass `baseline` through). R, group: (B,) -> ((B,), baseline)"""
+    """A_i for --estimator rloo, reinforce, grpo or raft (its weights, `raft_weights`), and
+    the next REINFORCE baseline (the others pass `baseline` through).
+    R, group: (B,) -> ((B,), baseline)"""
+    if estimator == "raft":
+        return raft_weights(R, group), baseline
     if estimator == "rloo":
         return rloo_advantages(R, group), baseline
     if estimator == "reinforce":
         return reinforce_advantages(R, baseline, decay)
     if estimator == "grpo":
         return grpo_advantages(R, group, unbiased), baseline
-    raise ValueError(f"sequence_advantages: estimator must be rloo, reinforce or grpo, "
+    raise ValueError(f"sequence_advantages: estimator must be rloo, reinforce, grpo or raft, "
                      f"got {estimator!r}")
 
 

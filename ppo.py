@@ -58,7 +58,6 @@ Test:  pytest tests/test_ppo.py
 import copy
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from support import parallel    # first: it sets what torch and tqdm read as they load
 import torch
@@ -69,8 +68,8 @@ import decoding
 import ppo_kernels
 import loaders
 import reward_model as rm
-from gae import (ESTIMATORS, GAMMA, LAM, AdaptiveKLController,
-                 advantages_and_returns, ended_with_eos, kl_per_token, response_mask,
+from gae import (ESTIMATORS, GAMMA, LAM, AdaptiveKLController, advantages_and_returns,
+                 ended_with_eos, kl_per_token, noisy_scores, response_mask,
                  sequence_advantages, sequence_rewards, shaped_rewards, spread_over_tokens,
                  whiten)
 from loaders import encode, micro_batches
@@ -79,8 +78,8 @@ from support import cli, disk, sweep
 from support.config import option, read_config
 from support.heldout import evaluate_run, reference_and_human
 from support.measures import copied_bigrams
-from support.report import (Laps, NonFiniteError, check_finite, check_run_folders,
-                            iteration_row, record_iteration, save_checkpoint, start_results)
+from support.report import (Laps, check_finite, check_run_folders, record_iteration,
+                            save_checkpoint, start_results, step_log)
 from support.sweep import out_folder, run_config, run_dir_for, runs
 
 
@@ -187,6 +186,15 @@ def score(reward, prompt_ids, prompt_mask, actions, mask, missing_eos_penalty=No
     return rewards
 
 
+def learned_from(rewards, beta, cfg, noise_sd, seed, iteration):
+    """The score and beta a run learns from: the judge's score plus Gaussian noise of SD
+    `noise_sd` (--reward-noise, its own generator: gae.noisy_scores) and, with --flip-sign,
+    both the score and the KL penalty negated (the note's sign bug: r_t = +beta KL_t - r).
+    rewards (B,) -> ((B,), beta)"""
+    seen = noisy_scores(rewards, noise_sd, seed, iteration, parallel.rank())   # (B,)
+    return (-seen, -beta) if cfg.flip_sign else (seen, beta)
+
+
 @torch.no_grad()
 def fluency(reference, sequences, attention_mask, actions, mask, temperature=1.0):
     """The reference model's total log-probability of each summary, (B,), real tokens only.
@@ -280,7 +288,7 @@ def old_and_reference(policy, value_head, reference, sequences, attention, actio
 # ---------------------------------------------- losses (8)-(14) and the ratio probe
 
 def ppo_losses(logp, logp_old, adv, values, ret, *, mask, clip=CLIP, entropy=None,
-               n_seq=None, n_tok=None, values_old=None, value_clip=None):
+               n_seq=None, n_tok=None, values_old=None, value_clip=None, ratio=True):
     """Eq. (8)-(12) for one (micro-)batch: the clipped policy loss, the value loss, and
     the entropy term, each a scalar, plus the clip statistics.
 
@@ -290,6 +298,8 @@ def ppo_losses(logp, logp_old, adv, values, ret, *, mask, clip=CLIP, entropy=Non
          batch add up to exactly the full-batch losses (defaults: this batch's own).
          values None: no value head (--estimator rloo, reinforce, grpo), value loss 0.
          value_clip: eps_v of the clipped value loss, around values_old (b, T).
+         clip = inf: no clipping, J = r_t A_t. ratio False (--estimator raft): no ratio,
+         L = -sum_t A_t log pi_theta, the supervised loss (13) on the rows A weighs.
     """
     b, m = logp.shape[0], mask.bool()
     n_seq = n_seq or b
@@ -298,7 +308,8 @@ def ppo_losses(logp, logp_old, adv, values, ret, *, mask, clip=CLIP, entropy=Non
     # (9)  J_clip = E_t[min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t)]
     # (10) L_policy = -J_clip     summed over real tokens, averaged over sequences, as the
     #      post's `-clipped.sum(-1).mean()` (departure 1: padding masked out)
-    policy_loss, stats = ppo_kernels.masked_clipped_loss(logp, logp_old, adv, mask, clip)
+    loss_of = ppo_kernels.masked_clipped_loss if ratio else ppo_kernels.masked_log_prob_loss
+    policy_loss, stats = loss_of(logp, logp_old, adv, mask, clip)
     policy_loss = policy_loss * (b / n_seq)                     # this micro-batch's share
     value_loss = torch.zeros((), device=logp.device)
     if values is not None:
@@ -364,6 +375,23 @@ def check_ratio(ratio, tolerance=1e-5):
     return lo, hi
 
 
+@torch.no_grad()
+def ratio_after(policy, batch, cfg):
+    """(min, max) of r_t = pi_theta / pi_old over the batch's real tokens after the last
+    inner step: how far the update moved the policy. The clip does not bound r (it only
+    stops pushing past 1 +- eps), so r may leave the range (the concept lesson)."""
+    lo, hi = math.inf, -math.inf
+    for rows, first in batch.groups:
+        with loaders.precision(cfg, batch.sequences.device):
+            logp, _, _ = policy_forward(policy, None, batch.sequences[rows, first:],
+                                        batch.attention[rows, first:], batch.actions[rows],
+                                        cfg.temperature)                        # (b, T)
+        # (8) r_t = exp(logp - logp_old) on real tokens
+        ratio = (logp - batch.logp_old[rows]).exp()[batch.mask[rows].bool()]    # (N,)
+        lo, hi = min(lo, ratio.min().item()), max(hi, ratio.max().item())
+    return parallel.total(lo, "min"), parallel.total(hi, "max")
+
+
 
 # -------------------------------------------------------------------------- the loop
 
@@ -376,14 +404,17 @@ class OneActionAdvantages:
     def __init__(self, cfg):
         self.cfg, self.baseline = cfg, None
 
-    def __call__(self, rewards, kl, mask, beta, prompt_of):
-        """A_i on each real token (B, T). rewards (B,), kl and mask (B, T); prompt_of (B,)
-        each response's post over the whole batch (every rank's, under torchrun)."""
+    def __call__(self, rewards, kl, mask, beta):
+        """A_i on each real token (B, T). rewards (B,), kl and mask (B, T). A batch holds
+        each post's k samples side by side (every rank's rows, under torchrun)."""
         cfg = self.cfg
+        prompt_of = torch.arange(cfg.batch, device=mask.device).repeat_interleave(
+            cfg.samples_per_prompt)                                               # (B,) all ranks
         # R(x, y) = r_phi(x, y) - beta sum_t D_KL^(t)
         R = sequence_rewards(rewards, kl, mask, beta)                             # (B,)
         # A_i = R_i - b_i; b_i the mean of the prompt's other samples (rloo), a moving
-        # average (reinforce), the group mean, A_i then / group std (grpo)
+        # average (reinforce), the group mean, A_i then / group std (grpo); raft: A_i = k on
+        # the prompt's best sample, 0 on the others (its loss has no ratio: `ppo_losses`)
         adv, self.baseline = sequence_advantages(cfg.estimator, parallel.gather(R), prompt_of,
                                                  self.baseline, cfg.reinforce_decay,
                                                  cfg.grpo_unbiased)
@@ -420,7 +451,7 @@ class Rollout:
     posts: list
 
 
-def train(cfg, beta, seed, models, pool, run_dir, progress=True):
+def train(cfg, beta, seed, models, pool, run_dir, progress=True, noise_sd=0.0):
     """One PPO run, the post's `train`: returns (policy, value_head, results)."""
     reference, reward, tokenizer, device = models
     eos, k = tokenizer.eos_token_id, cfg.samples_per_prompt
@@ -430,10 +461,9 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
     parallel.seed_sampling(seed)                # under torchrun, each rank its own stream
     one_action = OneActionAdvantages(cfg) if cfg.estimator != "gae" else None  # departure 9
     # ---- plumbing: results.json (rewritten each iteration), or a resumed run's checkpoint
-    start, beta, results = start_results(run_dir, cfg.resume, run_config(cfg, beta, seed),
-                                         policy, value_head, optimizer, beta=beta,
-                                         one_action=one_action)
-    controller = AdaptiveKLController(beta, cfg.target_kl) if cfg.target_kl else None
+    start, kl_beta, results = start_results(run_dir, cfg.resume, run_config(cfg, beta, seed),
+                                            policy, value_head, optimizer, beta, one_action)
+    controller = AdaptiveKLController(kl_beta, cfg.target_kl) if cfg.target_kl else None
     bar = tqdm(range(start, cfg.iterations), desc=f"beta={beta:g} seed={seed}",
                disable=not progress, initial=start, total=cfg.iterations)
     for iteration in bar:
@@ -441,7 +471,6 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         # ---- 1. generate: sample k summaries for each post with the current policy
         posts = [p for p in parallel.mine(loaders.batch_for(pool, iteration, cfg.batch, seed))
                  for _ in range(k)]             # under torchrun, this rank's share
-        prompt_of = torch.arange(cfg.batch, device=device).repeat_interleave(k)  # (B,) all ranks
         prompt_ids, prompt_mask = encode(tokenizer, [p["prompt"] for p in posts], device)
         with loaders.precision(cfg, device):            # (B, P+T), (B, T)
             sequences, actions = generate(policy, prompt_ids, prompt_mask, cfg, eos)
@@ -460,14 +489,14 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
         logp_old, values, logp_ref = old_and_reference(policy, value_head, reference, sequences,
                                                        attention, actions, groups, cfg)  # (B, T)
         beta_now = controller.beta if controller else beta
+        seen, beta_seen = learned_from(rewards, beta_now, cfg, noise_sd, seed, iteration)
         with torch.no_grad():
             # ---- 4. shaped reward (3)-(4), then GAE (5)-(6) and returns (7)
             # (4)  D_KL^(t) ~= log pi_old(a_t|s_t) - log pi_ref(a_t|s_t)   (k1; k3 if asked)
             kl = kl_per_token(logp_old, logp_ref, cfg.kl_estimator)         # (B, T)
             # (3)  r_t = -beta D_KL^(t) + 1{t=T} r_score, T each response's last real token
-            per_token = shaped_rewards(logp_old, logp_ref, rewards, beta_now, mask, kl=kl)
-            # whitening and baselines see the whole batch, every rank's rows (parallel.py)
-            if one_action is None:
+            per_token = shaped_rewards(logp_old, logp_ref, seen, beta_seen, mask, kl=kl)
+            if one_action is None:                      # whitening: every rank's rows
                 if cfg.whiten_rewards:                  # Stiennon et al.: rescaled, not shifted
                     per_token = parallel.across(whiten, per_token, mask, shift_mean=False)
                 # (5)-(7)  delta_t, A_t = sum_l (gamma lam)^l delta_{t+l}, R_t = A_t + V(s_t)
@@ -475,17 +504,14 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
                                                   cfg.lam)                  # (B, T) each
                 adv = parallel.across(whiten, adv, mask)        # (B, T) over real tokens only
             else:                                       # departure 9: no value head to fit
-                adv = one_action(rewards, kl, mask, beta_now, prompt_of)    # (B, T)
-                ret = None
+                adv, ret = one_action(seen, kl, mask, beta_seen), None              # (B, T)
             check_finite(iteration, reward=per_token, advantage=adv)
         lap("forward")
         # ---- 5. INNER_STEPS clipped updates on this batch
-        batch = Rollout(iteration=iteration, sequences=sequences, attention=attention,
-                        actions=actions, mask=mask, logp_old=logp_old, values=values, adv=adv,
-                        ret=ret, groups=groups, posts=posts)
+        batch = Rollout(iteration, sequences, attention, actions, mask, logp_old, values, adv,
+                        ret, groups, posts)
         logs = []
         for step in range(cfg.inner_steps):
-            optimizer.zero_grad(set_to_none=True)
             log, ratios = accumulate_gradients(policy, value_head, batch, cfg, tokenizer)
             parallel.sum_gradients(trainable)           # torchrun: the whole batch's gradient
             if step == 0:       # the post's probe, before any step, on every rank's tokens
@@ -495,26 +521,27 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True):
             logs.append(log)
         lap("update")
         # ---- plumbing: the iteration's row (whole batch), results.json, a checkpoint
-        whole = {name: parallel.gather(x) for name, x in dict(     # every rank's rows
+        row = record_iteration(results, iteration, lap, run_dir, device, bar, dict(
             rewards=rewards, per_token=per_token, kl=kl, values=values, ret=ret, mask=mask,
-            actions=actions).items()}
-        row = iteration_row(iteration, **whole, eos=eos, logs=logs, ratio_min=ratio_min,
-                            ratio_max=ratio_max, beta=beta_now)
+            actions=actions), eos=eos, logs=logs, beta=beta_now,
+            ratios=(ratio_min, ratio_max, *ratio_after(policy, batch, cfg)))
         if controller:                                  # on the batch's KL per sequence
             controller.update(row["kl"])
-        record_iteration(results, row, lap, run_dir, device, bar)
         if (iteration + 1) % cfg.checkpoint_every == 0 or iteration + 1 == cfg.iterations:
             save_checkpoint(run_dir, iteration, policy, value_head, optimizer,
-                            controller_beta=controller.beta if controller else beta,
-                            one_action=one_action)
+                            controller.beta if controller else beta, one_action)
     return policy, value_head, results
 
 
 def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
     """One inner step's forward and backward passes, micro-batch by micro-batch. Each part's
     loss is its share of the whole batch's (14), so the gradients add up to the whole batch's
-    (across ranks too, once `parallel.sum_gradients` has summed them). Returns the step's log
-    (whole batch) and the ratio's min and max in each micro-batch, (2 x parts,)."""
+    (across ranks too, once `parallel.sum_gradients` has summed them), from zero gradients.
+    Returns the step's log (whole batch) and the ratio's min and max in each micro-batch,
+    (2 x parts,)."""
+    policy.zero_grad(set_to_none=True)
+    if value_head is not None:
+        value_head.zero_grad(set_to_none=True)
     n_seq = parallel.total(len(batch.posts))            # responses in the whole batch
     n_tok = parallel.total(batch.mask.sum())            # real tokens in the whole batch
     parts, ratios = [], []
@@ -531,7 +558,8 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
         ret = None if batch.ret is None else batch.ret[rows]              # (b, T)
         pl, vl, el, stats = ppo_losses(logp, logp_old, batch.adv[rows], v, ret, mask=mask,
                                        clip=cfg.clip, entropy=entropy, n_seq=n_seq, n_tok=n_tok,
-                                       values_old=batch.values[rows], value_clip=cfg.value_clip)
+                                       values_old=batch.values[rows], value_clip=cfg.value_clip,
+                                       ratio=cfg.estimator != "raft")
         # (14) L_total = L_policy + c_v L_value + c_ent L_ent + c_ptx L_ptx
         loss = pl + cfg.vf_coef * vl + cfg.ent_coef * el
         lm = torch.zeros(())
@@ -543,23 +571,10 @@ def accumulate_gradients(policy, value_head, batch, cfg, tokenizer):
         loss.backward()
         parts.append(torch.stack([x.detach().float().to(loss.device) for x in (
             loss, pl, vl, el, stats["clipfrac"], stats["approx_kl"], lm, mask.sum())]))
-    # Read on the host once a step, not seven times a micro-batch (each read waits for the
-    # GPU): a NaN stops the run before the optimizer steps on it
-    parts = torch.stack(parts)                          # (parts, 8)
-    check_finite(batch.iteration, loss=parts[:, 0])
-    log = dict.fromkeys(("policy_loss", "value_loss", "entropy", "clipfrac", "approx_kl",
-                         "ptx_loss"), 0.0)
-    tokens = n_tok.item()
-    for (rows, _), (_, pl, vl, el, clipfrac, approx_kl, lm, real) in zip(batch.groups,
-                                                                          parts.tolist()):
-        share = real / tokens                           # this part's real tokens
-        log["ptx_loss"] += (lm * len(rows) / n_seq) if cfg.ptx_coef else 0.0
-        log["policy_loss"] += pl
-        log["value_loss"] += vl
-        log["entropy"] -= el
-        log["clipfrac"] += clipfrac * share
-        log["approx_kl"] += approx_kl * share
-    return parallel.total(log), torch.stack(ratios)             # (2 x parts,)
+    # Read on the host once a step (a NaN stops the run before the optimizer steps on it)
+    log = step_log(batch.iteration, torch.stack(parts), [len(rows) for rows, _ in batch.groups],
+                   n_seq, n_tok.item(), with_ptx=bool(cfg.ptx_coef))
+    return log, torch.stack(ratios)                     # whole batch, (2 x parts,)
 
 
 
@@ -625,7 +640,8 @@ class Config:
     inner_steps: int = option(INNER_STEPS, "clipped updates per batch, INNER_STEPS (the post: 2)")
     lr: float = option(LR, "adapter learning rate, LR (the post: 1e-4)")
     value_lr: float = option(VALUE_LR, "value head learning rate, VALUE_LR (the post: 1e-4)")
-    clip: float = option(CLIP, "PPO clip epsilon, CLIP (the post: 0.2)")
+    clip: float = option(CLIP, "PPO clip epsilon, CLIP (the post: 0.2); off: no clipping, "
+                               "r_t A_t (the note's ablation)", parse=cli.number_or_off)
     gamma: float = option(GAMMA, "discount gamma (the post: 0.99)")
     lam: float = option(LAM, "GAE lambda (the post: 0.95)")
     # ---- the loss's other terms (14), 0 as in the post, and the departures' extras
@@ -639,7 +655,7 @@ class Config:
     reward: str = option(rm.DEFAULT_PART, "the score PPO maximises: content, f with length "
                          "partialled out (departure 8), or full, f + w*g(length)")
     estimator: str = option("gae", "the advantage: gae (the post's, with a value head), or "
-                            "rloo, reinforce, grpo (the PPO/RLOO note; departure 9)")
+                            "rloo, reinforce, grpo, raft (the PPO/RLOO note; departure 9)")
     samples_per_prompt: int = option(1, "k, responses sampled per prompt: a batch holds "
                                         "--batch x k responses; rloo and grpo need k >= 2")
     grpo_unbiased: bool = option(False, "grpo: Dr. GRPO's advantage, R - group mean, with "
@@ -651,6 +667,11 @@ class Config:
                                      "zero, or reward (the reward model's head, as Stiennon)")
     whiten_rewards: bool = option(False, "gae: scale the shaped rewards to unit variance "
                                          "before GAE (Stiennon et al.)")
+    reward_noise: float = option(0.0, "Gaussian noise on every score the run learns from, its "
+                                      "SD in units of the judge's SD over SFT's held-out "
+                                      "summaries (the RLOO note's noise test)")
+    flip_sign: bool = option(False, "negate both the judge's score and the KL penalty (the "
+                                    "note's sign bug)")
     # ---- the run: seeds, speed, evaluation, files
     preset: str = option("auto", "blog (CUDA/MPS default), cpu (CPU default) or tiny (tests)")
     seeds: list = option((0,), "seed(s); every (beta, seed) pair is one run")
@@ -707,84 +728,41 @@ RANGES = {
     "lr": cli.POSITIVE, "value_lr": cli.POSITIVE,
     # clip = 0 caps every ratio at 1 in (9): the policy can never move past pi_old, so no
     # update would be made. Refused rather than run.
-    "clip": cli.Range(0, 1, low_open=True, high_open=True),
+    "clip": cli.Range(0, 1, low_open=True, high_open=True, off=True),
     "gamma": cli.UNIT, "lam": cli.UNIT, "vf_coef": cli.NON_NEGATIVE,
     "ent_coef": cli.NON_NEGATIVE, "ptx_coef": cli.NON_NEGATIVE, "target_kl": cli.POSITIVE,
     "missing_eos_penalty": cli.FINITE, "micro_batch": cli.COUNT,
     "eval_prompts": cli.Range(1, loaders.EVAL_RESERVE), "checkpoint_every": cli.COUNT,
     "samples_per_prompt": cli.COUNT, "reinforce_decay": cli.UNIT, "value_clip": cli.POSITIVE,
+    "reward_noise": cli.NON_NEGATIVE,
 }
 
 def parse_args(argv=None):
     """Config from the command line: defaults, then the preset, then explicit flags. Then
-    every value is checked (CHOICES, RANGES, --out, --data-dir, --model): a bad one exits
-    with status 2 and one line, before anything loads."""
+    every value is checked (CHOICES, RANGES, --out, --data-dir, --model, the flags that only
+    make sense together: support/sweep.py): a bad one exits with status 2 and one line,
+    before anything loads."""
     cfg, parser = read_config(Config, PRESETS, RANGES, CHOICES, argv, __doc__.splitlines()[0])
-    for beta, seed in runs(cfg):
-        if problem := cli.out_problem(run_dir_for(cfg, beta, seed)):
-            parser.error(problem)
-    try:
-        cfg.precision = loaders.resolve_precision(cfg.precision, loaders.pick_device())
-    except ValueError as error:
-        parser.error(str(error))
-    if cfg.estimator in ("rloo", "grpo") and cfg.samples_per_prompt < 2:
-        parser.error(f"argument --samples-per-prompt: --estimator {cfg.estimator} needs at "
-                     f"least 2 samples per prompt, got {cfg.samples_per_prompt}")
-    gae_only = [flag for flag, on in (("--value-clip", cfg.value_clip is not None),
-                                      ("--value-init", cfg.value_init != "post"),
-                                      ("--whiten-rewards", cfg.whiten_rewards)) if on]
-    if cfg.estimator != "gae" and gae_only:
-        parser.error(f"argument {gae_only[0]}: applies to --estimator gae only (there is no "
-                     f"value head with --estimator {cfg.estimator})")
-    responses = cfg.batch * cfg.samples_per_prompt
-    if responses % cfg.micro_batch:
-        cfg.micro_batch = math.gcd(responses, cfg.micro_batch)
-    return cfg
-
-
-# What --resume may change; any other setting that differs from the checkpoint's is an error
-# (unless --force): a run continued with another beta or seed is no run at all.
-RESUME_MAY_CHANGE = ("iterations", "checkpoint_every", "eval_prompts", "micro_batch", "out",
-                     "resume", "force", "seeds")
-# The settings printed when a run starts
-SHOWN = ("estimator", "iterations", "batch", "samples_per_prompt", "prompt_tokens",
-         "max_new_tokens", "inner_steps", "lr", "value_lr", "clip", "gamma", "lam", "micro_batch",
-         "precision", "decoding", "eval_prompts", "kl_estimator", "target_kl", "reward")
-ESTIMATOR_NOTE = {"rloo": "the other samples of the same prompt",
-                  "reinforce": "a moving average of the rewards",
-                  "grpo": "the mean of the prompt's samples"}
+    return sweep.check_settings(cfg, parser)
 
 
 def main(argv=None):
     parallel.setup()                                    # under torchrun only
     cfg = parse_args(argv)
-    if cfg.batch % parallel.size():
-        raise cli.UserError(f"--batch {cfg.batch} does not split evenly over "
-                            f"{parallel.size()} processes; pass a multiple of {parallel.size()}")
     plan = [(beta, seed, run_dir_for(cfg, beta, seed)) for beta, seed in runs(cfg)]
     folder = out_folder(cfg, plan)
     # One process a folder, until this one ends (support/disk.py); then the folders' checks
     with disk.holding([folder, *(run_dir for _, _, run_dir in plan)]):
-        run_plan(cfg, check_run_folders(plan, run_config(cfg, None, None), RESUME_MAY_CHANGE),
-                 folder)
+        check_run_folders(plan, run_config(cfg, None, None), sweep.RESUME_MAY_CHANGE)
+        run_plan(cfg, plan, folder)
 
 
 def run_plan(cfg, plan, folder):
-    """Every run of `plan` ([(beta, seed, run_dir)]), each trained then evaluated on the
-    held-out posts, and a sweep's table."""
+    """The four models once, then the post's sweep: a run for every beta and seed, trained,
+    then evaluated on the held-out posts; a sweep's table at the end."""
     device = loaders.pick_device()
-    processes = f", {parallel.size()} processes" if parallel.size() > 1 else ""
-    print(f"preset {cfg.preset} on {device}{processes}: "
-          + ", ".join(f"{k}={getattr(cfg, k)}" for k in SHOWN))
-    if cfg.estimator != "gae":
-        print(f"--estimator {cfg.estimator}: no value head, no value loss; the baseline is "
-              + ESTIMATOR_NOTE[cfg.estimator])
-    reward_path = Path(cfg.reward_model)
-    if not (reward_path / "config.json").exists():
-        raise cli.UserError(f"no reward model in {reward_path}: run `python reward_model.py"
-                            + (" --preset tiny --out " + str(reward_path)
-                               if cfg.preset == "tiny" else "")
-                            + "` first, or pass --reward-model DIR")
+    sweep.announce(cfg, device)
+    reward_path = sweep.reward_folder(cfg)
     posts = loaders.load_tldr(cfg.data_dir)             # the data first: its errors are cheap
     reference, tokenizer = loaders.load_policy_and_tokenizer(cfg.model, preset=cfg.preset,
                                                              device=device)
@@ -793,19 +771,23 @@ def run_plan(cfg, plan, folder):
     models = (reference, reward, tokenizer, device)
     sweep.check_room(cfg, plan, folder, adapter_numel(reference),       # before the long part
                      reference.config.hidden_size)
-
     # The held-out evaluation runs on rank 0 alone; the others wait at their next collective.
     base = (reference_and_human(cfg, models, held_out, folder, rollouts) if parallel.is_main()
             else None)
-
-    def train_run(beta, seed, run_dir):
-        return train(cfg, beta, seed, models, pool, run_dir, progress=parallel.is_main())
-
-    def evaluate(beta, seed, policy, results, run_dir):
-        evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir,
-                     rollouts)
-
-    sweep.run_all(cfg, plan, folder, base, train_run, evaluate)
+    noise_sd = cfg.reward_noise * sweep.judge_sd(base)  # --reward-noise in the judge's SDs
+    book = sweep.Book(cfg, plan, folder, base)          # plumbing: skip, resume, failed rows
+    for beta in cfg.beta:                               # the post's COEFFICIENTS ...
+        for seed in cfg.seeds:                          # ... and SEEDS: a run each
+            run_dir = run_dir_for(cfg, beta, seed)
+            if book.finished(run_dir):
+                continue
+            with book.run(beta, seed, run_dir):         # in a sweep, a NaN is a failed row
+                policy, _, results = train(cfg, beta, seed, models, pool, run_dir,
+                                           parallel.is_main(), noise_sd)
+                if parallel.is_main():
+                    evaluate_run(cfg, beta, seed, policy, results, models, held_out, base,
+                                 run_dir, rollouts)
+    book.table()
 
 
 if __name__ == "__main__":

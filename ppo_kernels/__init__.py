@@ -9,7 +9,9 @@
         training forward uses on every backend. (ppo_kernels/fused_linear.py)
     masked_clipped_loss(logp, logp_old, adv, mask, clip=0.2) -> (loss, {"clipfrac", "approx_kl"})
         eq. (8)-(10) over real tokens, summed over tokens and averaged over sequences as the
-        post's `ppo_losses` does. (ppo_kernels/clipped_loss.py)
+        post's `ppo_losses` does; clip = inf: no clipping. (ppo_kernels/clipped_loss.py)
+    masked_log_prob_loss(logp, logp_old, adv, mask, clip=0.2) -> the same, with no ratio:
+        -(1/B) sum mask A log pi (vanilla policy gradient; RAFT's supervised loss)
     set_backend("auto" | "triton" | "torch") -> the previous backend name
 
 The backend is chosen here and nowhere else. "auto" (the default) runs the Triton kernels on CUDA
@@ -105,7 +107,14 @@ def masked_clipped_loss(logp, logp_old, adv, mask, clip=0.2):
                                             backend=_resolve(logp))
 
 
+def masked_log_prob_loss(logp, logp_old, adv, mask, clip=0.2):
+    """(loss, {"clipfrac", "approx_kl"}) with no ratio: -(1/B) sum_{b,t} mask A log pi_theta
+    (vanilla policy gradient; RAFT's supervised loss with A its weights). PyTorch only: it is
+    one multiply and a sum. (ppo_kernels/clipped_loss.py)"""
+    return clipped_loss.masked_log_prob_loss(logp, logp_old, adv, mask, clip)
+
+
 set_backend(os.environ.get("RLHF_KERNELS_BACKEND", "auto"))
 
 __all__ = ["gather_log_probs", "gather_log_probs_from_hidden", "masked_clipped_loss",
-           "set_backend"]
+           "masked_log_prob_loss", "set_backend"]

@@ -154,14 +154,37 @@ def masked_clipped_loss(logp, logp_old, adv, mask, clip=0.2, backend="torch"):
     logp, logp_old, adv, mask: (B, T) (or (..., T): every leading index is a sequence); mask is 1
     (or True) for real tokens. Differentiable in logp only. Returns (loss, stats), loss a 0-d
     fp32 tensor = -(1/B) sum_{b,t} mask J, stats two detached 0-d fp32 tensors. `backend` is
-    "torch" or "triton"; `ppo_kernels.masked_clipped_loss` picks it for you.
+    "torch" or "triton"; `ppo_kernels.masked_clipped_loss` picks it for you. clip = inf turns
+    clipping off: J = r A (the note's "no clipping" ablation), and clipfrac is 0.
     """
     shapes = {tuple(t.shape) for t in (logp, logp_old, adv, mask)}
     if len(shapes) != 1 or logp.ndim == 0:
         raise ValueError(f"logp, logp_old, adv and mask must share one (B, T) shape, got "
                          f"{[tuple(t.shape) for t in (logp, logp_old, adv, mask)]}")
-    if not 0 <= clip < 1:
-        raise ValueError(f"clip is epsilon in clip(r, 1 - eps, 1 + eps), in [0, 1); got {clip}")
+    if not (0 <= clip < 1 or clip == math.inf):
+        raise ValueError(f"clip is epsilon in clip(r, 1 - eps, 1 + eps), in [0, 1) or inf (no "
+                         f"clipping); got {clip}")
     loss, clipfrac, approx_kl = _MaskedClippedLoss.apply(logp, logp_old, adv, mask, float(clip),
                                                          backend)
     return loss, {"clipfrac": clipfrac, "approx_kl": approx_kl}
+
+
+def masked_log_prob_loss(logp, logp_old, adv, mask, clip=0.2):
+    """The loss with no ratio: L = -(1/B) sum_{b,t} mask_bt A_bt log pi_theta(a_bt|s_bt).
+
+    Vanilla policy gradient when A is an advantage, and the supervised loss (13) on the
+    rows whose A is a weight (RAFT: k on each prompt's best sample, 0 elsewhere). At the
+    first inner step (r = 1) its gradient equals the clipped loss's; after a step it has
+    no r_t: every step is a plain log-likelihood step. Same aggregation and the same
+    detached stats as `masked_clipped_loss` (clipfrac: the share of tokens whose ratio is
+    outside clip(r, 1 - eps, 1 + eps), although nothing is clipped). (B, T) inputs.
+    """
+    keep = mask.bool()
+    n_seq = max(1, math.prod(logp.shape[:-1]))
+    # L = -(1/B) sum_{b,t} mask A log pi_theta
+    loss = -torch.where(keep, adv.float() * logp.float(), 0.0).sum() / n_seq
+    with torch.no_grad():
+        *_, is_clipped, k3 = loss_terms_torch(*(t.detach().reshape(-1).float() for t in (
+            logp, logp_old, adv)), keep.reshape(-1), min(clip, 1e30))
+        n_tok = keep.sum().clamp(min=1)
+        return loss, {"clipfrac": is_clipped.sum() / n_tok, "approx_kl": k3.sum() / n_tok}

@@ -49,13 +49,17 @@ class UserError(RuntimeError):
 @dataclass(frozen=True)
 class Range:
     """The values a numeric flag allows: low to high, each end included unless `*_open`.
-    Never NaN or inf."""
+    Never NaN or inf, but for `off`: the flag also takes "off", read as inf (`number_or_off`:
+    ppo.py's --clip off, no clipping)."""
     low: float = -math.inf
     high: float = math.inf
     low_open: bool = False
     high_open: bool = False
+    off: bool = False
 
     def __contains__(self, value):
+        if self.off and value == math.inf:
+            return True
         if not math.isfinite(value):
             return False
         above = value > self.low if self.low_open else value >= self.low
@@ -70,7 +74,12 @@ class Range:
             return f"{name} finite"
         if self.high == math.inf:                   # one-sided: 'batch >= 1'
             return f"{name} {'>' if self.low_open else '>='} {self.low:g}"
-        return f"{low if self.low > -math.inf else ''}{name}{high}"
+        return f"{low if self.low > -math.inf else ''}{name}{high}" + (" or off" * self.off)
+
+
+def number_or_off(text):
+    """A flag's value: a number, or "off" (inf: a range with no end, as --clip off)."""
+    return math.inf if text.strip().lower() == "off" else float(text)
 
 
 COUNT = Range(1)                                    # batch, iterations, epochs, ...

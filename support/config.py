@@ -20,9 +20,10 @@ import loaders
 from support import cli
 
 
-def option(default, help):
-    """A Config field with its --help text."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def option(default, help, parse=None):
+    """A Config field with its --help text; `parse` reads its value from the command line
+    where the field's type does not (cli.number_or_off)."""
+    return dataclasses.field(default=default, metadata={"help": help, "parse": parse})
 
 
 def add_flags(parser, config_class, choices):
@@ -37,8 +38,9 @@ def add_flags(parser, config_class, choices):
             parser.add_argument(flag, type=type(f.default[0]), nargs="+", default=None,
                                 help=help)
         else:
-            parser.add_argument(flag, type={int: int, float: float}.get(f.type, str),
-                                default=None, choices=choices.get(f.name), help=help)
+            parse = f.metadata.get("parse") or {int: int, float: float}.get(f.type, str)
+            parser.add_argument(flag, type=parse, default=None, choices=choices.get(f.name),
+                                help=help)
     return parser
 
 

@@ -35,6 +35,7 @@ from support.quality import (asks_for_help, ends_with_question, paired_differenc
                              retrieval_ranks, rouge_l, samples_page, words)
 from support import cli, parallel
 from support.disk import write_json, write_text
+from support.kept import machine, summarize_run
 from support.report import (load_baseline, plot_curves, print_gain, print_row,
                             print_row_header, print_samples)
 
@@ -269,7 +270,8 @@ def written_row(texts, held_out, reward, tokenizer, cfg, human=False):
 
 def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir, rollouts):
     """The trained policy on the held-out posts, against the reference and people: the
-    final entry of results.json, curves.png, the post's table rows and a few samples."""
+    final entry of results.json, its small copy summary.json (support/kept.py), curves.png,
+    the post's table rows and a few samples."""
     reference, reward, tokenizer, device = models
     ref_samples, baseline = base["ref_samples"], base["baseline"]
     torch.manual_seed(10_000 + seed)
@@ -288,8 +290,9 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
              "samples": per_post(samples, ("length", "eos", "copied_bigrams", "kl", "text",
                                            *OUTSIDE), ref_samples),
              **base["baseline_posts"]}
-    results["final"] = final
+    results["final"], results["machine"] = final, machine()
     write_json(run_dir / "results.json", results)
+    write_json(run_dir / "summary.json", summarize_run(results))   # what docs/runs/ keeps
     plot_curves(results, run_dir / "curves.png")
     write_samples_page(final, held_out, f"beta={beta:g} seed={seed}", run_dir / "samples.html",
                        labels={"reference": "reference (SFT)"} if "start" in final else None)

@@ -280,12 +280,13 @@ def peak_memory_gb(device):
 # ------------------------------------------------------------------ tables and plots
 
 def iteration_row(iteration, *, rewards, per_token, kl, values, ret, mask, actions, eos, logs,
-                  ratio_min, ratio_max, beta):
+                  ratios, beta):
     """One row of results.json: what the post and the concept lesson say to watch, from the
     whole batch's tensors (every rank's, under torchrun): rewards (B,) the reward model's
     scores; per_token (the shaped r_t), kl, values, ret, mask and actions (B, T), ret None
-    without a value head; the inner steps' logs; the ratio's range at the first inner step;
-    beta now."""
+    without a value head; the inner steps' logs; `ratios`, the ratio's range at the first
+    inner step (1 to 1) and after the last (ratio_after_min, ratio_after_max); beta now."""
+    ratio_min, ratio_max, after_min, after_max = ratios
     m = mask.bool()
     per_seq_kl = torch.where(m, kl, 0.0).sum(-1)                 # (B,) summed over tokens
     non_score = torch.where(m, per_token, 0.0).sum(-1) - rewards  # (B,) the -beta KL part
@@ -307,7 +308,8 @@ def iteration_row(iteration, *, rewards, per_token, kl, values, ret, mask, actio
             "approx_kl": avg("approx_kl"), "value_loss": avg("value_loss"),
             "policy_loss": avg("policy_loss"), "ptx_loss": avg("ptx_loss"),
             "explained_variance": explained,
-            "ratio_min": ratio_min, "ratio_max": ratio_max, "beta": beta}
+            "ratio_min": ratio_min, "ratio_max": ratio_max, "ratio_after_min": after_min,
+            "ratio_after_max": after_max, "beta": beta}
 
 
 def print_samples(samples, posts, title, n=3):
@@ -636,15 +638,39 @@ class Laps:
                 "seconds": round(time.perf_counter() - self.start, 3)}
 
 
-def record_iteration(results, row, laps, run_dir, device, bar):
-    """Add an iteration's row, with its times, threads and memory, rewrite results.json and
-    show the row's main numbers on the progress bar."""
+def record_iteration(results, iteration, laps, run_dir, device, bar, tensors, **row_args):
+    """An iteration's row (`iteration_row` of the whole batch: `tensors` gathered from every
+    rank, and `row_args`), with its times, threads and memory: added to results.json, which is
+    rewritten, and shown on the progress bar. Returns the row."""
+    whole = {name: parallel.gather(x) for name, x in tensors.items()}
+    row = iteration_row(iteration, **whole, **row_args)
     row.update(laps.row(), threads=torch.get_num_threads(),
                peak_memory_gb=round(peak_memory_gb(device), 3))
     results["iterations"].append(row)
     write_json(Path(run_dir) / "results.json", results)
     bar.set_postfix(reward=f"{row['reward']:.2f}", kl=f"{row['kl']:.2f}",
-                    len=f"{row['response_length']:.1f}", ratio=f"{row['ratio_max']:.4f}")
+                    len=f"{row['response_length']:.1f}", ratio=f"{row['ratio_after_max']:.4f}")
+    return row
+
+
+def step_log(iteration, parts, rows, n_seq, n_tok, with_ptx=False):
+    """One inner step's log of the whole batch, from its micro-batches' `parts` (parts, 8):
+    loss, policy, value and entropy losses, clipfrac, approx_kl, ptx loss, real tokens, each
+    part's share already in its losses; `rows` the sequences of each part. Read on the host
+    once a step, not seven times a micro-batch (each read waits for the GPU); a NaN in the
+    loss stops the run here, before the optimizer steps on it. Summed over the ranks."""
+    check_finite(iteration, loss=parts[:, 0])
+    log = dict.fromkeys(("policy_loss", "value_loss", "entropy", "clipfrac", "approx_kl",
+                         "ptx_loss"), 0.0)
+    for b, (_, pl, vl, el, clipfrac, approx_kl, lm, real) in zip(rows, parts.tolist()):
+        share = real / n_tok                            # this part's real tokens
+        log["ptx_loss"] += (lm * b / n_seq) if with_ptx else 0.0
+        log["policy_loss"] += pl
+        log["value_loss"] += vl
+        log["entropy"] -= el
+        log["clipfrac"] += clipfrac * share
+        log["approx_kl"] += approx_kl * share
+    return parallel.total(log)
 
 
 class NonFiniteError(cli.UserError):

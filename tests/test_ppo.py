@@ -486,7 +486,7 @@ def test_a_nan_score_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_judge
 
     monkeypatch.setattr(ppo, "score", score)
     monkeypatch.setattr(ppo, "save_checkpoint", save_checkpoint)
-    with pytest.raises(ppo.NonFiniteError, match=r"iteration 2: the score is NaN or inf in 1 "
+    with pytest.raises(report.NonFiniteError, match=r"iteration 2: the score is NaN or inf in 1 "
                                                  r"of 4 values"):
         ppo.train(cfg, 0.1, 0, models, pool, tmp_path, progress=False)
     checkpoint = tmp_path / "checkpoint"
@@ -498,7 +498,7 @@ def test_a_nan_score_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_judge
 
 def test_check_finite_names_the_quantity():
     ppo.check_finite(0, loss=torch.tensor(1.0), advantage=torch.zeros(2, 3))
-    with pytest.raises(ppo.NonFiniteError, match="iteration 7: the advantage is NaN or inf "
+    with pytest.raises(report.NonFiniteError, match="iteration 7: the advantage is NaN or inf "
                                                  "in 2 of 6"):
         ppo.check_finite(7, loss=torch.tensor(1.0),
                          advantage=torch.tensor([[0, float("inf"), 0], [float("nan"), 0, 0]]))
@@ -542,7 +542,7 @@ def test_a_failed_run_is_a_row_of_the_sweep(tiny_judge, small_data, tmp_path,
 
     def train(cfg, beta, seed, *args, **kwargs):
         if beta == 0.5:
-            raise ppo.NonFiniteError("iteration 0: the score is NaN or inf in 1 of 4 values")
+            raise report.NonFiniteError("iteration 0: the score is NaN or inf in 1 of 4 values")
         return real_train(cfg, beta, seed, *args, **kwargs)
 
     monkeypatch.setattr(ppo, "train", train)

@@ -1,0 +1,178 @@
+"""The pieces the readings' claims need (docs/claims.md): RAFT, reward noise, no clipping,
+vanilla policy gradient, the sign flip, and the ratio after the last inner step."""
+import math
+
+import pytest
+import torch
+
+import ppo
+import ppo_kernels
+import reward_model as rm
+from gae import noisy_scores, raft_weights, sequence_advantages
+from support import cli, report
+from test_ppo import tiny_pool
+
+
+# ---------------------------------------------------------------------------------- RAFT
+
+def test_raft_weights_pick_the_best_of_each_group_by_hand():
+    # three prompts, k = 2, in any row order; the second group is a tie: its first row wins
+    R = torch.tensor([0.5, -1.0, 2.0, 2.0, 3.0, 7.0])
+    group = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert raft_weights(R, group).tolist() == [2.0, 0.0, 2.0, 0.0, 0.0, 2.0]
+    shuffled = torch.tensor([2, 0, 1, 2, 0, 1])
+    R = torch.tensor([3.0, -1.0, 1.0, 7.0, 0.5, 4.0])
+    assert raft_weights(R, shuffled).tolist() == [0.0, 0.0, 0.0, 2.0, 2.0, 2.0]
+    weights, baseline = sequence_advantages("raft", torch.tensor([1.0, 2.0, 0.0, 5.0]),
+                                            torch.tensor([0, 0, 0, 0]), baseline=None)
+    assert weights.tolist() == [0.0, 0.0, 0.0, 4.0] and baseline is None
+
+
+def test_raft_loss_is_the_supervised_loss_on_the_best():
+    """(13) on each prompt's best sample, -(1/prompts) sum_best sum_t log pi, whatever the
+    other samples' log-probs; the same after a step (no ratio)."""
+    torch.manual_seed(0)
+    logp = torch.randn(4, 3, requires_grad=True)         # 2 prompts x k = 2, 3 tokens
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    weights = raft_weights(torch.tensor([0.1, 0.9, 0.8, -2.0]), torch.tensor([0, 0, 1, 1]))
+    adv = torch.where(mask.bool(), weights[:, None], 0.0)
+    logp_old = logp.detach() - 0.3                        # a later inner step: r != 1
+    loss, stats = ppo_kernels.masked_log_prob_loss(logp, logp_old, adv, mask)
+    by_hand = -(logp[1].sum() + logp[2, 0]) / 2          # rows 1 and 2 are the best
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-6)
+    loss.backward()
+    expected = torch.zeros(4, 3)
+    expected[1] = -0.5
+    expected[2, 0] = -0.5
+    assert torch.allclose(logp.grad, expected)
+    assert stats["clipfrac"].item() == 1.0               # every ratio is e^0.3 = 1.35 > 1.2
+
+
+# ---------------------------------------------------------------------- clipping and PG
+
+def clipped_and_unclipped(ratio):
+    logp_old = torch.zeros(2, 3)
+    logp = torch.log(torch.full((2, 3), ratio)).requires_grad_()
+    adv = torch.tensor([[1.0, -2.0, 0.5], [2.0, 1.0, -1.0]])
+    mask = torch.ones(2, 3)
+    out = []
+    for clip in (0.2, math.inf):
+        x = logp.detach().clone().requires_grad_()
+        loss, stats = ppo_kernels.masked_clipped_loss(x, logp_old, adv, mask, clip)
+        loss.backward()
+        out.append((loss.item(), x.grad.clone(), stats["clipfrac"].item()))
+    return out
+
+
+def test_no_clipping_equals_the_clipped_loss_where_nothing_is_clipped():
+    (a, ga, fa), (b, gb, fb) = clipped_and_unclipped(1.1)      # inside 0.8 .. 1.2
+    assert a == b and torch.equal(ga, gb) and fa == fb == 0.0
+    (a, ga, fa), (b, gb, fb) = clipped_and_unclipped(1.5)      # outside: they part
+    # no clipping: L = -(1/B) sum r A = -(1.5 (1 - 2 + 0.5) + 1.5 (2 + 1 - 1)) / 2
+    assert b == pytest.approx(-(1.5 * -0.5 + 1.5 * 2.0) / 2)
+    assert fa == 1.0 and fb == 0.0 and not torch.equal(ga, gb)
+
+
+def test_vanilla_policy_gradient_is_the_ratio_loss_at_its_one_step():
+    """At r = 1 (one inner step) the gradient of -r A with no clip is that of -A log pi."""
+    torch.manual_seed(1)
+    logp = torch.randn(3, 4)
+    adv, mask = torch.randn(3, 4), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    grads = []
+    for loss_of in (lambda x: ppo_kernels.masked_clipped_loss(x, logp, adv, mask, math.inf),
+                    lambda x: ppo_kernels.masked_log_prob_loss(x, logp, adv, mask)):
+        x = logp.clone().requires_grad_()
+        loss_of(x)[0].backward()
+        grads.append(x.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-7)
+
+
+def test_clip_off_parses_and_is_refused_with_a_value_clip(capsys):
+    assert ppo.parse_args(["--preset", "tiny", "--clip", "off"]).clip == math.inf
+    assert ppo.parse_args(["--preset", "tiny", "--clip", "0.3"]).clip == 0.3
+    assert cli.Range(0, 1, low_open=True, high_open=True, off=True).describe("clip") == \
+        "0 < clip < 1 or off"
+    for argv, flag in ((["--clip", "off", "--value-clip", "0.2"], "--value-clip"),
+                       (["--clip", "nan"], "--clip"), (["--clip", "1.5"], "--clip"),
+                       (["--estimator", "raft"], "--samples-per-prompt"),
+                       (["--reward-noise", "-1"], "--reward-noise")):
+        with pytest.raises(SystemExit) as stop:
+            ppo.parse_args(["--preset", "tiny", *argv])
+        assert stop.value.code == 2 and flag in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------- reward noise
+
+def test_noise_has_its_own_generator_and_sd_zero_is_the_identity():
+    rewards = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    assert noisy_scores(rewards, 0.0, seed=3, iteration=7) is rewards
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    a = noisy_scores(rewards, 2.0, seed=3, iteration=7)
+    assert torch.equal(torch.get_rng_state(), before)            # sampling's RNG untouched
+    assert torch.equal(a, noisy_scores(rewards, 2.0, seed=3, iteration=7))   # resume: same
+    assert not torch.equal(a, noisy_scores(rewards, 2.0, seed=3, iteration=8))
+    assert not torch.equal(a, noisy_scores(rewards, 2.0, seed=4, iteration=7))
+    assert not torch.equal(a, noisy_scores(rewards, 2.0, seed=3, iteration=7, stream=1))
+    many = noisy_scores(torch.zeros(20_000), 3.0, seed=0, iteration=0)
+    assert many.mean().abs().item() < 0.1 and many.std().item() == pytest.approx(3.0, rel=0.03)
+
+
+def train_tiny(argv, tiny_judge, tiny, tokenizer, folder, iterations=2, noise_sd=0.0):
+    cfg = ppo.parse_args(["--preset", "tiny", "--iterations", str(iterations), "--batch", "2",
+                          "--checkpoint-every", "1", "--out", str(folder), *argv])
+    reward = rm.load_reward_model(tiny_judge)
+    models = (tiny, reward, tokenizer, torch.device("cpu"))
+    return ppo.train(cfg, 0.1, 0, models, tiny_pool(tokenizer), folder, progress=False,
+                     noise_sd=noise_sd)
+
+
+def test_noise_of_sd_zero_is_the_plain_run_and_noise_resumes_the_same(tiny_judge, data_dir,
+                                                                       tiny, tokenizer,
+                                                                       tmp_path):
+    folders = [tmp_path / name for name in ("plain", "zero", "noisy", "resumed")]
+    for folder in folders:
+        folder.mkdir()
+    _, _, plain = train_tiny([], tiny_judge, tiny, tokenizer, folders[0])
+    _, _, zero = train_tiny(["--reward-noise", "0"], tiny_judge, tiny, tokenizer, folders[1])
+    assert report.differences(plain["iterations"], zero["iterations"], rel=0) == []
+    _, _, noisy = train_tiny(["--reward-noise", "2"], tiny_judge, tiny, tokenizer, folders[2],
+                             iterations=3, noise_sd=2.0)
+    train_tiny(["--reward-noise", "2"], tiny_judge, tiny, tokenizer, folders[3],
+               iterations=1, noise_sd=2.0)
+    _, _, resumed = train_tiny(["--reward-noise", "2", "--resume"], tiny_judge, tiny,
+                               tokenizer, folders[3], iterations=3, noise_sd=2.0)
+    assert report.differences(noisy["iterations"], resumed["iterations"]) == []
+    # the judge's own score is what the row reports; the run learned from the noisy one
+    assert noisy["iterations"][0]["reward"] == plain["iterations"][0]["reward"]
+    assert noisy["iterations"][0]["policy_loss"] != plain["iterations"][0]["policy_loss"]
+
+
+# ------------------------------------------------- the new settings, end to end (tiny)
+
+@pytest.mark.parametrize("argv", [
+    ["--estimator", "raft", "--samples-per-prompt", "2"],
+    ["--clip", "off"],
+    ["--clip", "off", "--inner-steps", "1", "--lam", "1"],
+    ["--flip-sign"],
+])
+def test_each_new_setting_trains_and_records_the_ratio_after(argv, tiny_judge, data_dir, tiny,
+                                                             tokenizer, tmp_path):
+    _, value_head, results = train_tiny(argv, tiny_judge, tiny, tokenizer, tmp_path)
+    assert (value_head is None) == ("raft" in argv)
+    for row in results["iterations"]:
+        assert row["ratio_min"] == row["ratio_max"] == 1.0
+        assert row["ratio_after_min"] <= 1.0 + 1e-6 or row["ratio_after_max"] >= 1.0 - 1e-6
+        assert 0 < row["ratio_after_min"] <= row["ratio_after_max"]
+        if "off" in argv:
+            assert row["clipfrac"] == 0.0
+
+
+def test_flip_sign_negates_the_score_and_the_kl_term():
+    cfg = ppo.parse_args(["--preset", "tiny", "--flip-sign"])
+    rewards = torch.tensor([1.0, -2.0])
+    seen, beta = ppo.learned_from(rewards, 0.1, cfg, 0.0, 0, 0)
+    assert seen.tolist() == [-1.0, 2.0] and beta == -0.1
+    plain = ppo.parse_args(["--preset", "tiny"])
+    seen, beta = ppo.learned_from(rewards, 0.1, plain, 0.0, 0, 0)
+    assert seen is rewards and beta == 0.1
