@@ -7,9 +7,6 @@ Run:  python -m pytest -q tests/test_analysis_tools.py
 """
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +14,6 @@ import torch
 from support import optimum
 from support.measures import concentration, length_bin, post_means, win_rate
 from tools import length_bins
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------ concentration
@@ -197,3 +192,41 @@ def test_length_bins_refuse_a_run_with_no_lengths(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(results))
     with pytest.raises(SystemExit, match="length"):
         length_bins.main([str(tmp_path), "--out", str(tmp_path / "bins.json")])
+
+
+# ------------------------------------------------------------------ the commands, tiny
+
+@pytest.mark.slow
+def test_concentration_command_on_the_tiny_preset(small_data, tmp_path, capsys):
+    from tools import concentration as command
+    out = tmp_path / "sub" / "concentration.json"
+    command.main(["--preset", "tiny", "--data-dir", str(small_data), "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["posts"] == 4 and saved["vocabulary"] == 49152 and saved["top"] == 16
+    # The tiny model is random and near uniform: top-1 well under 1%, H / log V near 1.
+    after = saved["after_first"]
+    assert 0 < after["top1"] < 0.01 and 0.9 < after["entropy"] <= 1
+    assert after["top1"] <= after["top16"] <= 16 * after["top1"]
+    positions = saved["by_position"]
+    assert positions["position"][0] == 1 and positions["posts"][0] == 4
+    assert "| after the first |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_optimum_command_on_the_tiny_preset(small_data, tiny_judge, tmp_path, capsys):
+    from tools import optimum as command
+    out = tmp_path / "optimum.json"
+    command.main(["--preset", "tiny", "--data-dir", str(small_data), "--reward-model",
+                  str(tiny_judge), "--samples", "3", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [row["n"] for row in saved["best_of_n"]] == [1, 2, 3]
+    assert [row["beta"] for row in saved["optimum"]] == [0, 0.01, 0.1, 0.5, 2.0]
+    assert len(saved["per_post"]) == 4 and all(len(p["reward"]) == 3 for p in saved["per_post"])
+    # best of 1 is the plain mean of the samples; best of 3 the mean of each post's best
+    rewards = [p["reward"] for p in saved["per_post"]]
+    assert saved["best_of_n"][0]["reward"] == pytest.approx(sum(map(sum, rewards)) / 12)
+    assert saved["best_of_n"][2]["reward"] == pytest.approx(sum(map(max, rewards)) / 4)
+    assert saved["kl_cap"] == pytest.approx(math.log(3))
+    assert "| best of 3 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        command.main(["--preset", "tiny", "--reward-model", str(tmp_path / "none")])

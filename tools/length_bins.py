@@ -147,6 +147,7 @@ def main(argv=None):
         raise SystemExit(f"length_bins: {error}")
     groups = {name: bin_rows(pairs, args.edges) for name, pairs in pool(runs).items()}
     print(markdown(groups))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(Path(args.out), {"edges": args.edges, "runs": [str(p) for p in args.runs],
                                 "groups": groups})
     print(f"written to {args.out}")
