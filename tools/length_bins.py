@@ -15,18 +15,20 @@ wins are not length alone. Here, for each held-out post of each run:
     MRR      mean of 1 / retrieval_rank of the policy's summaries of the bin's posts, beside
              SFT's on the same posts (ref_samples)
 
-Why those cuts: people's TL;DRs of the held-out posts run from a handful of tokens to
-past the 48-token limit, while the SFT model and the sweep's policies average about as many
-words as people do (docs/sweep.md), so ratios spread far to both sides of 1: a band of
-+-25% around "as long as the person's" leaves posts in each of the three bins, and the
-table gives each bin's count so that a thin bin is seen as one.
+Why those cuts: people's TL;DRs of the 64 held-out posts (cpu preset) are 24 to 47 tokens,
+median 30, while a policy's summary runs from a few tokens to the 48-token limit, so the
+ratio runs from about 0.1 to 2 and its spread comes mostly from the policy's length. A band
+of +-25% around "as long as the person's" (22 to 37 tokens against the median TL;DR) keeps
+the middle bin to summaries a reader would call the same length and leaves room on both
+sides; finer bins would hold a handful of posts each. The table gives each bin's count, so
+a thin bin is seen as one (--edges moves the cuts).
 
 Runs of one beta (and estimator) pool their posts: three seeds give three (post, seed)
 pairs a post. The Wilson interval treats the pairs as independent; the seeds share their
 posts, so it is somewhat too narrow where seeds agree on a post.
 
 Run:  python -m tools.length_bins runs/ppo_sweep/beta0.1_seed0 runs/ppo_sweep/beta0.1_seed1
-      python -m tools.length_bins docs/runs/*/summary.json --out runs/length_bins.json
+      python -m tools.length_bins runs/ppo_sweep/beta*_seed* --out runs/length_bins.json
 Writes a markdown table to the terminal and --out (JSON: each group's rows, each a bin).
 Test: pytest tests/test_analysis_tools.py -k length
 """
