@@ -24,10 +24,21 @@ Across the runs of a sweep (report.report_sweep):
     spearman         Spearman's rank correlation, e.g. of beta with the final KL: the
                      Pearson correlation of the ranks, tied values sharing their mean rank
 
+How concentrated a model's next-token distribution is (tools/concentration.py; the
+reference note 004 explains the fall of reward with GAE's lambda by it):
+    concentration    per response position, pi(top token), the sum of the top 16 and the
+                     normalised entropy H / log V; post_means averages each over a post
+
+By the length of a summary against the person's TL;DR (tools/length_bins.py):
+    length_bin       which of the bins cut at `edges` a length ratio falls in
+    win_rate         the share of posts where the policy's reward beats the reference's,
+                     ties counting one half
+
 Nothing here runs a model: `heldout.rollouts` samples and scores, these functions count.
 
-Used by: heldout.py, report.py.
+Used by: heldout.py, report.py, tools/concentration.py, tools/length_bins.py.
 Test: pytest tests/test_ppo.py -k "eos or bigram or gain or summarize or spearman or question"
+      pytest tests/test_analysis_tools.py -k "concentration or bin or win"
 """
 
 import math
@@ -125,3 +136,52 @@ def spearman(x, y):
     dx, dy = rx - rx.mean(), ry - ry.mean()
     denominator = (dx.square().sum() * dy.square().sum()).sqrt()
     return (dx * dy).sum().item() / denominator.item() if denominator > 0 else math.nan
+
+
+# ---------------------------------------------- the next-token distribution's concentration
+
+def concentration(logits, mask, top=16):
+    """How much of the next-token distribution pi(. | s_t) sits on a few tokens.
+
+    logits (B, T, V) at the response positions (the model's, temperature 1); mask (B, T), 1
+    at the positions to measure. Returns three (B, T) fp32 tensors, 0 where mask is 0: the
+    probability of the top token, the total of the top `top`, and H / log V, the entropy
+    over its largest value (1: uniform over the vocabulary, 0: one token certain).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)                    # (B, T, V)
+    p = logp.exp()                                                      # (B, T, V)
+    # top-1 = max_a pi(a | s_t),   top-k = sum of the k largest pi(a | s_t)
+    largest = p.topk(min(top, p.shape[-1]), dim=-1).values              # (B, T, top)
+    top1, topk = largest[..., 0], largest.sum(-1)                       # (B, T) each
+    # H(s_t) = - sum_a pi(a | s_t) log pi(a | s_t)     (0 log 0 = 0)
+    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)                # (B, T)
+    # normalised entropy = H / log V
+    normalised = entropy / math.log(p.shape[-1])                        # (B, T)
+    keep = mask.bool()                                                  # (B, T)
+    return tuple(torch.where(keep, x, 0.0) for x in (top1, topk, normalised))
+
+
+def post_means(values, mask):
+    """Each row's mean of `values` (B, T) over the positions where mask (B, T) is 1: (B,),
+    NaN for a row with none."""
+    # mean_i = sum_t m_it v_it / sum_t m_it
+    return (values * mask).sum(-1) / mask.sum(-1)                       # (B,)
+
+
+# --------------------------------------- by length against the person's TL;DR
+
+def length_bin(ratio, edges):
+    """The bin of `ratio` among those cut at `edges` (increasing): 0 for ratio < edges[0],
+    i for edges[i-1] <= ratio < edges[i], len(edges) for ratio >= edges[-1]."""
+    return sum(ratio >= edge for edge in edges)
+
+
+def win_rate(rewards, ref_rewards):
+    """The share of pairs where the first reward beats the second, an exact tie one half:
+    (1/n) sum_i ([r_i > r'_i] + 1/2 [r_i = r'_i]); NaN for no pairs."""
+    if len(rewards) != len(ref_rewards):
+        raise ValueError(f"{len(rewards)} rewards but {len(ref_rewards)} reference rewards")
+    if not rewards:
+        return math.nan
+    # win = 1/n sum_i ([r_i > r'_i] + 1/2 [r_i = r'_i])
+    return sum((r > q) + 0.5 * (r == q) for r, q in zip(rewards, ref_rewards)) / len(rewards)

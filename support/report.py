@@ -584,6 +584,25 @@ def plot_sweep(table, baseline, path, group="beta", objective_beta=None):
     plt.close(fig)
 
 
+def optimum_curves(axes, optimum):
+    """The KL-regularised optimum and best-of-n (tools/optimum.py's JSON, support/optimum.py)
+    on plot_sweep's three panels, the judge's reward, MRR and ROUGE-L against KL: a line
+    per curve, each point labelled by its beta, and no error bars (their SEs over posts are
+    in the JSON). `axes`: the three panels, in tables.MEASURES' order."""
+    keys = [key for key, _ in tables.MEASURES.values()]
+    k = len(optimum["best_of_n"])
+    for ax, key in zip(axes, keys):
+        best = [row for row in optimum["best_of_n"] if key in row]
+        ax.plot([row["kl"] for row in best], [row[key] for row in best], "-", color="0.4",
+                marker=".", label=f"best of n, n = 1..{k} (SFT samples)")
+        top = [row for row in optimum["optimum"] if key in row]
+        ax.plot([row["kl"] for row in top], [row[key] for row in top], "--", color="k",
+                marker="x", label="the optimum, e^{r/beta} (SFT samples)")
+        for row in top:
+            ax.annotate(f"{row['beta']:g}", (row["kl"], row[key]), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
+
+
 def equal_objective_lines(ax, beta):
     """Grey lines of equal reward - beta KL, 0.1 apart, across the panel: a point up and to
     the right of another is only better on the objective when it sits on a higher line."""
