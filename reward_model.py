@@ -342,7 +342,7 @@ def build_reward_model(settings, device="cpu"):
     lm, tokenizer = loaders.load_policy_and_tokenizer(
         settings["base_model"], preset="tiny" if settings["tiny"] else None,
         device=device, seed=settings["seed"])
-    with torch.random.fork_rng():
+    with loaders.fork_rng():
         torch.manual_seed(settings["seed"])
         # Departure 1: the adapter of `lora.with_lora` on the top `lora_layers` layers only
         # (0 = all). Below them nothing needs a gradient, so backpropagation stops there.

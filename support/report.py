@@ -202,7 +202,7 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
     reinforce, `one_action`'s moving-average baseline (ppo.OneActionAdvantages), as
     safetensors + JSON. Under torchrun every rank calls it and rank 0 writes, with every
     rank's RNG state ("rng.torch" for rank 0, "rng.torch.1" for rank 1, ...)."""
-    rng = parallel.rng_states()                 # a collective: before rank 0 goes its way
+    rng = parallel.rng_states(model_device(policy))   # a collective: before rank 0 goes its way
     if not parallel.is_main():
         return
     tensors, scalars = {}, {}
@@ -227,6 +227,11 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
                                             "optimizer_scalars": scalars})
     with cli.writing(Path(run_dir) / "checkpoint"):
         write_aside(Path(run_dir) / "checkpoint", make)
+
+
+def model_device(model):
+    """The device a model is on: whose RNG state a checkpoint keeps beside the CPU's."""
+    return next(model.parameters()).device
 
 
 def load_checkpoint(run_dir, policy, value_head, optimizer):
@@ -258,12 +263,14 @@ def load_checkpoint(run_dir, policy, value_head, optimizer):
         raise cli.UserError(f"--resume: the checkpoint in {folder} was written by fewer "
                             f"processes than this run's {parallel.size()}; resume it with "
                             "as many as it had")
-    states = {kind: tensors[f"rng.{kind}{suffix}"] for kind in ("torch", "cuda")
+    states = {kind: tensors[f"rng.{kind}{suffix}"] for kind in ("torch", "cuda", "mps")
               if f"rng.{kind}{suffix}" in tensors}
-    if torch.cuda.is_available() and "cuda" not in states:
-        print(f"note: the checkpoint in {folder} has no CUDA RNG state (written on a CPU or "
-              "by an older version): the run continues, but not as an uninterrupted one")
-    parallel.set_rng_states(states)
+    device = model_device(policy)
+    if device.type != "cpu" and device.type not in states:
+        print(f"note: the checkpoint in {folder} has no {device.type.upper()} RNG state (written "
+              "on another device or by an older version): the run continues, but not as an "
+              "uninterrupted one")
+    parallel.set_rng_states(states, device)
     return state["iteration"] + 1, state["beta"], state.get("reinforce_baseline")
 
 
