@@ -654,6 +654,11 @@ def record_iteration(results, row, laps, run_dir, device, bar):
                     len=f"{row['response_length']:.1f}", ratio=f"{row['ratio_max']:.4f}")
 
 
+def gradients(parameters):
+    """Every gradient of `parameters` in one (n,) tensor, for `check_finite` before a step."""
+    return torch.cat([p.grad.flatten() for p in parameters if p.grad is not None])
+
+
 class NonFiniteError(cli.UserError):
     """A score, reward, advantage or loss became NaN or inf: the run stops there."""
 
@@ -663,7 +668,8 @@ def check_finite(iteration, unit="iteration", **named):
 
     ppo.py calls it before the backward pass and the optimizer step, and before the
     iteration's results row and checkpoint are written: the last checkpoint is the last good
-    state; sft.py and reward_model.py at each step (unit "step"), before anything is saved.
+    state; sft.py and reward_model.py at each step (unit "step") on the loss and the
+    gradients (`gradients`), before the optimizer steps on them and before anything is saved.
     Under torchrun it counts every rank's tensor values, so every rank stops, or none; a
     float is a value every rank already shares (a loss summed over the ranks).
     """
