@@ -627,20 +627,29 @@ def start_results(run_dir, resume, config, policy, value_head, optimizer, beta,
 
 class Laps:
     """Seconds per phase of one iteration: `lap("generate")` closes the phase that began at
-    the previous lap (or at the start)."""
+    the previous lap (or at the start). On CUDA, whose kernels run after the Python that
+    launched them returns, each reading waits for the GPU first, so a phase's time is its
+    work's; where CUDA is unused (the CPU, MPS) nothing waits."""
 
     def __init__(self):
-        self.start = self.last = time.perf_counter()
+        self.start = self.last = now()
         self.seconds = {}
 
     def __call__(self, phase):
-        now = time.perf_counter()
-        self.seconds[phase], self.last = now - self.last, now
+        moment = now()
+        self.seconds[phase], self.last = moment - self.last, moment
 
     def row(self):
         """results.json's timing keys: seconds_<phase> each, and the whole iteration's."""
         return {**{f"seconds_{k}": round(v, 3) for k, v in self.seconds.items()},
-                "seconds": round(time.perf_counter() - self.start, 3)}
+                "seconds": round(now() - self.start, 3)}
+
+
+def now():
+    """time.perf_counter() once the GPU's queued work is done, where this process uses CUDA."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def record_iteration(results, row, laps, run_dir, device, bar):
