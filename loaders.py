@@ -32,8 +32,8 @@ Every post becomes one prompt layout, the post's (and trl-lib/tldr's):
 
 Also here: ppo.py's prompt pool, per-iteration draw and batching (`load_prompts`,
 `batch_for`, `encode`, `micro_batches`: departure 7's groups of similar prompt lengths), and
-what depends on the device: `pick_device`, `native_bf16`, and the bf16 autocast contexts
-(`precision`, `heads_in_fp32`).
+what depends on the device: `pick_device`, `native_bf16`, `fork_rng`, and the bf16 autocast
+contexts (`precision`, `heads_in_fp32`).
 
 Run `python loaders.py` to print what it finds.
 """
@@ -96,7 +96,10 @@ RANDOM_WEIGHTS = "RANDOM_WEIGHTS"   # a file in save_architecture's folders: no 
 
 def pick_device():
     """$RLHF_DEVICE when set (cpu, cuda, cuda:N or mps: the tests name the device they mean
-    with it), else CUDA, then Apple's MPS, then the CPU."""
+    with it), else CUDA, then Apple's MPS, then the CPU. cuda:N is made the current GPU here,
+    before anything is allocated: kernel launches, CUDA graphs, side streams, the RNG state
+    and the peak memory that ask for "the current GPU" then get GPU N."""
+    cpu_build_on_gpu = torch.version.cuda is None and nvidia_gpu_present()  # the lock's +cpu
     if chosen := os.environ.get(DEVICE_ENV):
         try:
             device = torch.device(chosen)
@@ -108,13 +111,51 @@ def pick_device():
         available = {"cpu": True, "cuda": torch.cuda.is_available(),
                      "mps": torch.backends.mps.is_available()}[device.type]
         if not available:
-            raise cli.UserError(f"${DEVICE_ENV}={chosen}: no {device.type} device here")
+            why = f" ({cpu_torch_note()})" if device.type == "cuda" and cpu_build_on_gpu else ""
+            raise cli.UserError(f"${DEVICE_ENV}={chosen}: no {device.type} device here{why}")
+        if device.type == "cuda" and device.index is not None:
+            count = torch.cuda.device_count()       # torchrun: each process its GPU already
+            if not device.index < count or "LOCAL_RANK" in os.environ:
+                raise cli.UserError(f"${DEVICE_ENV}={chosen}: " + (
+                    f"torchrun gives each process its GPU; set ${DEVICE_ENV}=cuda"
+                    if "LOCAL_RANK" in os.environ else f"cuda:0 to cuda:{count - 1} are here"))
+            torch.cuda.set_device(device.index)
         return device
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():
         return torch.device("mps")
+    if cpu_build_on_gpu:
+        say_once(f"note: {cpu_torch_note()}; running on the CPU")
     return torch.device("cpu")
+
+
+def nvidia_gpu_present():
+    """Whether this machine has an NVIDIA GPU, whatever torch was built for: its driver's
+    files (Linux) or its nvidia-smi command."""
+    return (Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidia0").exists()
+            or shutil.which("nvidia-smi") is not None)
+
+
+def cpu_torch_note():
+    """Why this torch, a CPU build, cannot use the NVIDIA GPU here, and the fix."""
+    return (f"an NVIDIA GPU is here but torch {torch.__version__} is a CPU build; `pip "
+            f"uninstall -y torch && pip install torch=={torch.__version__.split('+')[0]}` "
+            "installs PyPI's CUDA build (docs/dependencies.md#which-torch)")
+
+
+@functools.lru_cache(maxsize=None)
+def say_once(line):
+    print(line)                                     # once a process, however often called
+
+
+def fork_rng():
+    """torch.random.fork_rng over the CPU's generator and the GPU's: the current CUDA device's,
+    or Apple's MPS generator (torch before 2.8 forks CUDA's only, and every GPU's by default)."""
+    if torch.backends.mps.is_available():
+        return torch.random.fork_rng([0], device_type="mps")
+    gpus = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    return torch.random.fork_rng(gpus, device_type="cuda")
 
 
 def native_bf16(device):
@@ -327,7 +368,7 @@ def load_model(name=POLICY_NAME, device="cpu"):
         with cli.reading(Path(where) / "config.json", "a model config saved by save_pretrained"):
             config = AutoConfig.from_pretrained(where)
         print(f"{where} has no weights: random weights of its architecture (timing only)")
-        with torch.random.fork_rng():
+        with fork_rng():
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return freeze(model.to(device))
@@ -366,7 +407,7 @@ def tiny_model(tokenizer, seed=0, device="cpu"):
                          max_position_embeddings=2048, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
-    with torch.random.fork_rng():
+    with fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return freeze(model.to(device))

@@ -113,7 +113,7 @@ from support import cli, rm_data, rm_report
 from support.config import option, read_config
 from support.disk import check_room, holding, write_aside
 from support.rm_data import encode, pad
-from support.report import check_finite
+from support.report import check_finite, gradients
 from support.rm_report import (human_minus_reference_sd, pair_metrics,
                                pairwise_accuracy)
 
@@ -342,7 +342,7 @@ def build_reward_model(settings, device="cpu"):
     lm, tokenizer = loaders.load_policy_and_tokenizer(
         settings["base_model"], preset="tiny" if settings["tiny"] else None,
         device=device, seed=settings["seed"])
-    with torch.random.fork_rng():
+    with loaders.fork_rng():
         torch.manual_seed(settings["seed"])
         # Departure 1: the adapter of `lora.with_lora` on the top `lora_layers` layers only
         # (0 = all). Below them nothing needs a gradient, so backpropagation stops there.
@@ -538,8 +538,9 @@ def summary_rows(pairs, merge=False):
             where[:len(pairs)], where[len(pairs):])
 
 
-def train_step(model, optimizer, batch, merge=False):
-    """One AdamW step of (R1) on a list of pairs. Returns the batch's (loss, accuracy).
+def train_step(model, optimizer, batch, merge=False, step=1):
+    """One AdamW step of (R1) on a list of pairs. Returns the batch's (loss, accuracy). A NaN
+    or inf loss or gradient stops it before the step: one line naming `step`, nothing saved.
 
     Each distinct prompt is read once for all its pairs (forward_shared); with `merge`, each
     distinct summary of a post once too (`summary_rows`). Under torchrun each rank takes
@@ -561,10 +562,12 @@ def train_step(model, optimizer, batch, merge=False):
         loss_sum = loss.item()
         right = pairwise_accuracy(r_w.detach(), r_l.detach()) * k
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
+    loss_sum = parallel.total(loss_sum)
+    check_finite(step, "step", loss=loss_sum, gradient=gradients(trainable))   # every rank's
     parallel.sum_gradients(trainable)            # torchrun: the whole batch's gradient
     torch.nn.utils.clip_grad_norm_(trainable, 1.0)
     optimizer.step()
-    return parallel.total(loss_sum), parallel.total(right) / len(batch)
+    return loss_sum, parallel.total(right) / len(batch)
 
 
 def batches_of(pairs, size):
@@ -612,8 +615,7 @@ def train(model, pairs, config):
         for _ in range(config.epochs):
             rng.shuffle(batches)                 # shuffles the order of batches, each epoch
             for batch in batches:
-                loss, accuracy = train_step(model, optimizer, batch, merge)
-                check_finite(len(losses) + 1, "step", loss=loss)    # one line, nothing saved
+                loss, accuracy = train_step(model, optimizer, batch, merge, len(losses) + 1)
                 schedule.step()
                 losses.append(loss)
                 right, seen = right + accuracy * len(batch), seen + len(batch)

@@ -48,7 +48,7 @@ from lora import merge_lora, with_lora
 from support import cli, disk
 from support.config import option, read_config
 from support.heldout import draws_key, sft_rows, write_samples_page
-from support.report import check_finite
+from support.report import check_finite, gradients
 
 
 @dataclass
@@ -179,7 +179,8 @@ def train(policy, tokenizer, train_posts, held_out, cfg, device):
         posts = loaders.batch_for(train_posts, step, cfg.batch, cfg.seed)
         optimizer.zero_grad(set_to_none=True)
         loss = sft_loss(policy, tokenizer, posts, cfg.micro_batch, device)
-        check_finite(step + 1, "step", loss=loss)   # NaN or inf: one line, nothing saved
+        # NaN or inf: one line, before the step and before anything is saved
+        check_finite(step + 1, "step", loss=loss, gradient=gradients(adapter))
         recent.append(loss)
         optimizer.step()
         schedule.step()

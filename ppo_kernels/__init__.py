@@ -24,8 +24,9 @@ against one float64 oracle, so switching backend never changes what a function m
 Triton is optional: without it (macOS) everything runs on the fallback and
 set_backend("triton") raises. Where it is installed but cannot build a kernel (no C compiler,
 no CUDA driver library), "auto" finds out once, on its first CUDA tensor, by building the
-log-prob kernel on a tiny input: one line says so and the fallback runs; "triton" stops there
-with the same line (RLHF_KERNELS_BACKEND=torch skips the attempt).
+log-prob kernel on a tiny input: one line says so and the fallback runs; "triton" makes the
+same attempt on its first tensor, wherever it is, and stops there with that line
+(`TritonCannotBuild`, a one-line error of the scripts; RLHF_KERNELS_BACKEND=torch skips it).
 
 Test:  python -m pytest -q tests/test_kernels.py
 Bench: python -m tools.bench_kernels
@@ -35,10 +36,16 @@ import os
 
 import torch
 
+from support import cli
+
 from . import clipped_loss, fused_linear, logprob
 
 BACKENDS = ("auto", "triton", "torch")
 _backend = "auto"
+
+
+class TritonCannotBuild(cli.UserError):
+    """RLHF_KERNELS_BACKEND=triton where Triton cannot build: the scripts print one line."""
 
 
 def set_backend(name):
@@ -59,8 +66,8 @@ def _resolve(tensor):
     if _backend == "auto":
         return ("triton" if tensor.is_cuda and logprob.triton is not None
                 and triton_builds(tensor.device) else "torch")
-    if _backend == "triton" and tensor.is_cuda and not triton_builds(tensor.device):
-        raise RuntimeError(triton_builds.why)
+    if _backend == "triton" and not triton_builds(tensor.device):
+        raise TritonCannotBuild(triton_builds.why)
     return _backend
 
 
@@ -117,4 +124,4 @@ def masked_log_prob_loss(logp, logp_old, adv, mask, clip=0.2):
 set_backend(os.environ.get("RLHF_KERNELS_BACKEND", "auto"))
 
 __all__ = ["gather_log_probs", "gather_log_probs_from_hidden", "masked_clipped_loss",
-           "masked_log_prob_loss", "set_backend"]
+           "masked_log_prob_loss", "set_backend", "TritonCannotBuild"]

@@ -183,21 +183,23 @@ def seed_sampling(seed):
         torch.manual_seed(seed * 1_000_003 + rank())
 
 
-def rng_states():
-    """Every rank's RNG states, in rank order: [{"torch": the CPU generator's, "cuda": the
-    current GPU's, where CUDA is present}] (a collective: every rank calls it). Sampling on
-    a GPU draws from its own generator, so a checkpoint without it does not resume exactly."""
+def rng_states(device):
+    """Every rank's RNG states, in rank order: [{"torch": the CPU generator's, and "cuda" (the
+    current GPU's: cuda:N's, which loaders.pick_device made current) or "mps" (Apple's) when
+    `device` is one}] (a collective: every rank calls it). Sampling on a GPU draws from its
+    own generator, so a checkpoint without it does not resume exactly."""
     states = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
+    if device.type in ("cuda", "mps"):
+        states[device.type] = torch.get_device_module(device.type).get_rng_state()
     if size() == 1:
         return [states]
     gathered = {kind: gather(state[None]) for kind, state in states.items()}   # (ranks, n)
     return [{kind: gathered[kind][r] for kind in states} for r in range(size())]
 
 
-def set_rng_states(states):
-    """This rank's RNG states, as `rng_states` returned them."""
+def set_rng_states(states, device):
+    """This rank's RNG states, as `rng_states` returned them: the CPU's, and `device`'s where
+    the states hold it."""
     torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
+    if device.type in ("cuda", "mps") and device.type in states:
+        torch.get_device_module(device.type).set_rng_state(states[device.type])

@@ -202,7 +202,7 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
     reinforce, `one_action`'s moving-average baseline (ppo.OneActionAdvantages), as
     safetensors + JSON. Under torchrun every rank calls it and rank 0 writes, with every
     rank's RNG state ("rng.torch" for rank 0, "rng.torch.1" for rank 1, ...)."""
-    rng = parallel.rng_states()                 # a collective: before rank 0 goes its way
+    rng = parallel.rng_states(model_device(policy))   # a collective: before rank 0 goes its way
     if not parallel.is_main():
         return
     tensors, scalars = {}, {}
@@ -227,6 +227,11 @@ def save_checkpoint(run_dir, iteration, policy, value_head, optimizer, controlle
                                             "optimizer_scalars": scalars})
     with cli.writing(Path(run_dir) / "checkpoint"):
         write_aside(Path(run_dir) / "checkpoint", make)
+
+
+def model_device(model):
+    """The device a model is on: whose RNG state a checkpoint keeps beside the CPU's."""
+    return next(model.parameters()).device
 
 
 def load_checkpoint(run_dir, policy, value_head, optimizer):
@@ -258,12 +263,14 @@ def load_checkpoint(run_dir, policy, value_head, optimizer):
         raise cli.UserError(f"--resume: the checkpoint in {folder} was written by fewer "
                             f"processes than this run's {parallel.size()}; resume it with "
                             "as many as it had")
-    states = {kind: tensors[f"rng.{kind}{suffix}"] for kind in ("torch", "cuda")
+    states = {kind: tensors[f"rng.{kind}{suffix}"] for kind in ("torch", "cuda", "mps")
               if f"rng.{kind}{suffix}" in tensors}
-    if torch.cuda.is_available() and "cuda" not in states:
-        print(f"note: the checkpoint in {folder} has no CUDA RNG state (written on a CPU or "
-              "by an older version): the run continues, but not as an uninterrupted one")
-    parallel.set_rng_states(states)
+    device = model_device(policy)
+    if device.type != "cpu" and device.type not in states:
+        print(f"note: the checkpoint in {folder} has no {device.type.upper()} RNG state (written "
+              "on another device or by an older version): the run continues, but not as an "
+              "uninterrupted one")
+    parallel.set_rng_states(states, device)
     return state["iteration"] + 1, state["beta"], state.get("reinforce_baseline")
 
 
@@ -641,20 +648,29 @@ def start_results(run_dir, resume, config, policy, value_head, optimizer, beta,
 
 class Laps:
     """Seconds per phase of one iteration: `lap("generate")` closes the phase that began at
-    the previous lap (or at the start)."""
+    the previous lap (or at the start). On CUDA, whose kernels run after the Python that
+    launched them returns, each reading waits for the GPU first, so a phase's time is its
+    work's; where CUDA is unused (the CPU, MPS) nothing waits."""
 
     def __init__(self):
-        self.start = self.last = time.perf_counter()
+        self.start = self.last = now()
         self.seconds = {}
 
     def __call__(self, phase):
-        now = time.perf_counter()
-        self.seconds[phase], self.last = now - self.last, now
+        moment = now()
+        self.seconds[phase], self.last = moment - self.last, moment
 
     def row(self):
         """results.json's timing keys: seconds_<phase> each, and the whole iteration's."""
         return {**{f"seconds_{k}": round(v, 3) for k, v in self.seconds.items()},
-                "seconds": round(time.perf_counter() - self.start, 3)}
+                "seconds": round(now() - self.start, 3)}
+
+
+def now():
+    """time.perf_counter() once the GPU's queued work is done, where this process uses CUDA."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def record_iteration(results, iteration, laps, run_dir, device, bar, tensors, **row_args):
@@ -692,6 +708,11 @@ def step_log(iteration, parts, rows, n_seq, n_tok, with_ptx=False):
     return parallel.total(log)
 
 
+def gradients(parameters):
+    """Every gradient of `parameters` in one (n,) tensor, for `check_finite` before a step."""
+    return torch.cat([p.grad.flatten() for p in parameters if p.grad is not None])
+
+
 class NonFiniteError(cli.UserError):
     """A score, reward, advantage or loss became NaN or inf: the run stops there."""
 
@@ -701,7 +722,8 @@ def check_finite(iteration, unit="iteration", **named):
 
     ppo.py calls it before the backward pass and the optimizer step, and before the
     iteration's results row and checkpoint are written: the last checkpoint is the last good
-    state; sft.py and reward_model.py at each step (unit "step"), before anything is saved.
+    state; sft.py and reward_model.py at each step (unit "step") on the loss and the
+    gradients (`gradients`), before the optimizer steps on them and before anything is saved.
     Under torchrun it counts every rank's tensor values, so every rank stops, or none; a
     float is a value every rank already shares (a loss summed over the ranks).
     """

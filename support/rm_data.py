@@ -218,7 +218,7 @@ def sample_reference(lm, tokenizer, prompts, batch, seed, desc):
     eos = tokenizer.eos_token_id
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     samples = [None] * len(prompts)
-    with torch.random.fork_rng():
+    with loaders.fork_rng():
         torch.manual_seed(seed)
         for start in tqdm(range(0, len(order), batch), desc=desc, unit="batch", leave=False):
             rows = order[start:start + batch]

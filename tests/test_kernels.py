@@ -459,11 +459,27 @@ def test_where_triton_cannot_build_auto_takes_the_torch_path_in_one_line(monkeyp
         out = capsys.readouterr().out.splitlines()
         assert len(out) == 1 and "cannot build" in out[0] and "C compiler" in out[0]
         ppo_kernels.set_backend("triton")
-        with pytest.raises(RuntimeError, match="RLHF_KERNELS_BACKEND=torch"):
+        with pytest.raises(ppo_kernels.TritonCannotBuild, match="RLHF_KERNELS_BACKEND=torch"):
             ppo_kernels._resolve(gpu)
     finally:
         ppo_kernels.set_backend(previous)
         ppo_kernels.triton_builds.cache_clear()
+
+
+@pytest.mark.skipif(ppo_kernels.logprob.triton is None, reason="Triton is not installed")
+def test_forced_triton_that_cannot_build_is_one_line_and_exit_1():
+    """RLHF_KERNELS_BACKEND=triton on the CPU with Triton's interpreter off: Triton cannot
+    build there, and a script stops with one line naming the switch, no traceback."""
+    code = ("import torch, ppo_kernels; from support import cli; cli.run_script(lambda argv: "
+            "ppo_kernels.gather_log_probs(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long)))")
+    env = dict(os.environ, RLHF_KERNELS_BACKEND="triton", TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", code, "script.py"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("<string>: error: Triton cannot build its kernels on cpu (")
+    assert lines[0].endswith("RLHF_KERNELS_BACKEND=torch runs the PyTorch path, which "
+                             "computes the same")
 
 
 def test_backend_environment_variable():

@@ -55,7 +55,7 @@ def test_the_helpers_are_the_identity_in_one_process():
     assert parallel.mine(x) is x and parallel.gather(x) is x and parallel.total(x) is x
     assert parallel.total({"a": 1.5}) == {"a": 1.5}
     assert parallel.across(lambda a, b: a + b, x, x).equal(2 * x)
-    assert len(parallel.rng_states()) == 1
+    assert len(parallel.rng_states(torch.device("cpu"))) == 1
 
 
 def test_one_update_on_two_processes_gives_the_single_process_gradients(tmp_path):

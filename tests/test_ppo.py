@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -973,16 +974,68 @@ def test_check_gpu_dry_run_and_its_one_line_without_a_gpu(tmp_path):
             "--dry-run checks the command on the CPU"]
 
 
+def test_the_gpu_checks_limits_share_out_the_time_left_within_the_budget():
+    """300 s and the shares pip 10, tests 60, kernels 70, 4 PPO variants 40 each: where each
+    command takes its whole limit, the limits are the shares and sum to 300; where the tests
+    end after 30 s, the kernels get 70/230 of the 260 s left, and the 4 variants the rest."""
+    clock = [0.0]
+    deadline = check_gpu.Deadline(300, planned=300, clock=lambda: clock[0])
+    limits = []
+    for share in (10, 60, 70, 40, 40, 40, 40):
+        limits.append(deadline.limit(share))
+        clock[0] += limits[-1]
+    assert limits == pytest.approx([10, 60, 70, 40, 40, 40, 40]) and clock[0] == pytest.approx(300)
+    clock[0] = 0.0
+    deadline = check_gpu.Deadline(300, planned=300, clock=lambda: clock[0])
+    assert deadline.limit(10) == pytest.approx(10)
+    clock[0] = 10.0
+    assert deadline.limit(60) == pytest.approx(60)
+    clock[0] = 40.0                                     # the tests took 30 s of their 60
+    assert deadline.limit(70) == pytest.approx(260 * 70 / 230)          # 79.13 s
+    clock[0] = 40.0 + 260 * 70 / 230
+    assert deadline.limit(40) == pytest.approx((300 - clock[0]) / 4)     # 45.22 s each
+
+
+def test_a_command_past_its_limit_is_stopped_with_every_process_it_started():
+    """A shell that starts a background `sleep` (as torchrun starts its workers) and waits:
+    at the 1 s limit the whole process group is killed, the grandchild with it."""
+    code, output = check_gpu.Deadline(2, planned=2).run(
+        ["sh", "-c", "sleep 100 & echo $!; sleep 100"], 1)
+    assert code is None and output.splitlines()[-1] == "over 1 s, skipped"
+    grandchild = Path(f"/proc/{int(output.split()[0])}/stat")
+    for _ in range(50):                 # gone, or a zombie that init has yet to reap
+        if not grandchild.exists() or grandchild.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"{grandchild.parent.name} still runs after the timeout")
+
+
+def test_phase_timings_wait_for_cuda_only_where_cuda_is_in_use(monkeypatch):
+    waits = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: waits.append(1))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)       # the CPU, MPS
+    lap = report.Laps()
+    lap("generate")
+    assert set(lap.row()) == {"seconds_generate", "seconds"} and waits == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    lap = report.Laps()
+    lap("generate")
+    lap("score")
+    lap.row()
+    assert len(waits) == 4                      # the start, two laps, the row
+
+
 def test_the_gpu_check_bounds_a_slow_path_as_a_row(monkeypatch, capsys):
     """A command past its limit (or past what is left of the check's budget) is stopped and
     says so; a kernel path past --path-timeout is a row of the table, not the end of it."""
-    deadline = check_gpu.Deadline(60)
+    deadline = check_gpu.Deadline(60, planned=60)
     start = time.time()
     code, output = deadline.run(["python", "-c", "import time; time.sleep(30)"], 1)
     assert code is None and output == "over 1 s, skipped" and time.time() - start < 15
     assert deadline.run(["python", "-c", "print('hi')"], 30) == (0, "hi\n")
-    assert check_gpu.Deadline(-5).run(["python", "-c", "import time; time.sleep(30)"],
-                                      30)[0] is None                  # no budget left
+    assert check_gpu.Deadline(-5, planned=30).run(["python", "-c", "print('hi')"], 30) == (
+        None, "no time left in the budget, skipped")
 
     def measure(path, rows, V, device, dtype, timeout):
         if path == "compiled-linear":

@@ -28,7 +28,7 @@ import loaders  # noqa: E402
 import lora  # noqa: E402
 import ppo  # noqa: E402
 import reward_model as rm  # noqa: E402
-from support import cli, rm_data, rm_report  # noqa: E402
+from support import cli, report, rm_data, rm_report  # noqa: E402
 
 METRIC_KEYS = {"heldout_accuracy", "wilson_low", "wilson_high", "heldout_pairs",
                "length_baseline_accuracy", "shorter_preferred_accuracy", "train_pairs",
@@ -747,16 +747,39 @@ def test_rm_relevance_reruns_a_saved_judges_test_and_repeats_its_numbers(tiny_re
         assert tfidf == round(want["tfidf"]["accuracy"], 3)
 
 
-def test_a_nan_loss_stops_the_judge_in_one_line_and_saves_nothing(tmp_path, monkeypatch,
-                                                                  data_dir):
-    real, calls = rm.train_step, []
+def test_a_nan_loss_stops_the_judge_before_its_step_in_one_line_and_saves_nothing(
+        tmp_path, monkeypatch, data_dir):
+    """A NaN loss at step 3: the script stops with one line naming it, before AdamW steps on
+    it (the weights stay finite); no folder is written."""
+    real_loss, real_optimizer, calls, made = rm.bt_loss, rm.make_optimizer, [], []
 
-    def train_step(*args):
-        calls.append(real(*args))
-        return (float("inf"), calls[-1][1]) if len(calls) == 3 else calls[-1]
-    monkeypatch.setattr(rm, "train_step", train_step)
+    def bt_loss(r_w, r_l):
+        calls.extend([1] if r_w.requires_grad else [])      # training steps only
+        loss = real_loss(r_w, r_l)
+        return loss * float("nan") if len(calls) == 3 and r_w.requires_grad else loss
+    monkeypatch.setattr(rm, "bt_loss", bt_loss)
+    monkeypatch.setattr(rm, "make_optimizer",
+                        lambda *args: made.append(real_optimizer(*args)) or made[0])
     with pytest.raises(SystemExit) as stop:
         cli.run_script(rm.main, ["--preset", "tiny", "--out", str(tmp_path / "judge")])
     assert str(stop.value.code).startswith("reward_model.py: error: step 3: the loss is NaN")
     assert "\n" not in str(stop.value.code) and len(calls) == 3
+    assert all(torch.isfinite(p).all() for group in made[0].param_groups for p in group["params"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_nan_gradient_stops_the_step_before_adamw_moves_anything(comparisons):
+    """The loss finite, the head's gradient NaN: step 7 stops naming the gradient and how
+    many of its values are bad, and no weight has moved."""
+    model, tokenizer = tiny_model()
+    config = rm.Config(**rm.PRESETS["tiny"])
+    pairs = rm_data.prepare_pairs(tokenizer, comparisons[:4], config)
+    optimizer = rm.make_optimizer(model, config)
+    weights = [p for group in optimizer.param_groups for p in group["params"]]
+    before = [p.detach().clone() for p in weights]
+    model.head.weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    bad, total = model.head.weight.numel(), sum(p.numel() for p in weights)
+    with pytest.raises(report.NonFiniteError,
+                       match=rf"^step 7: the gradient is NaN or inf in {bad} of {total} values"):
+        rm.train_step(model, optimizer, pairs, step=7)
+    assert all(torch.equal(p, q) for p, q in zip(weights, before))

@@ -320,3 +320,26 @@ def test_a_nan_loss_stops_sft_in_one_line_and_saves_nothing(tmp_path, monkeypatc
     assert str(stop.value.code).startswith("sft.py: error: step 2: the loss is NaN or inf")
     assert "\n" not in str(stop.value.code) and len(calls) == 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_nan_gradient_stops_sft_before_its_step_and_saves_nothing(tmp_path, monkeypatch,
+                                                                      data_dir):
+    """The loss finite but one gradient value NaN at step 2: one line naming the gradient,
+    before AdamW steps on it (the adapter stays finite); no folder is written."""
+    real, adapters = sft.sft_loss, []
+
+    def sft_loss(policy, *args):
+        loss = real(policy, *args)
+        adapters.append([p for p in policy.parameters() if p.requires_grad])
+        if len(adapters) == 2:
+            adapters[-1][0].grad.view(-1)[5] = float("nan")
+        return loss
+    monkeypatch.setattr(sft, "sft_loss", sft_loss)
+    with pytest.raises(SystemExit) as stop:
+        cli.run_script(sft.main, ["--preset", "tiny", "--out", str(tmp_path / "sft"),
+                                  "--reward-model", str(tmp_path / "no_judge")])
+    total = sum(p.numel() for p in adapters[-1])
+    assert str(stop.value.code).startswith(
+        f"sft.py: error: step 2: the gradient is NaN or inf in 1 of {total} values")
+    assert all(torch.isfinite(p).all() for p in adapters[-1])
+    assert list(tmp_path.iterdir()) == []

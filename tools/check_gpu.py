@@ -1,8 +1,11 @@
 """One command that checks a GPU: `python -m tools.bench_ppo --check-gpu [--dry-run] [--out FILE]`.
 
 On a CUDA machine it runs three steps, prints one table and writes it as JSON to --out
-(default runs/gpu_check.json), within five minutes in all (BUDGET; each step has its own
-limit, LIMITS: a command past it is stopped and becomes a row "over N s, skipped"):
+(default runs/gpu_check.json), within five minutes in all, pip's preparation included
+(BUDGET). Each command's limit is its share (SHARES) of the time left, so the limits sum
+within the budget and time a step leaves unused goes to the ones after it; a command past its
+limit is stopped with every process it started (its process group: torchrun's workers too)
+and becomes a row "over N s, skipped":
     1. tests     the kernel suite with the Triton kernels compiled on CUDA tensors
                  (tests/test_kernels.py; its interpreter cases are the CPU's, run by CI)
     2. kernels   tools/bench_kernels.py on CUDA at 16 x 304 rows x 49,152: time, peak extra
@@ -35,8 +38,11 @@ Run:  python -m tools.bench_ppo --check-gpu --prepare       (here, once: the mod
 Test: pytest tests/test_ppo.py -k check_gpu           (the --dry-run)
 """
 
+import contextlib
 import importlib.util
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,24 +64,28 @@ WHEELS = {"pytest": "pytest", "pluggy": "pluggy", "iniconfig": "iniconfig",
           "packaging": "packaging", "liger-kernel": "liger_kernel"}
 
 
-def prepare(folder):
+def prepare(folder, deadline):
     """The model folders (config and tokenizer, no weights) that the check loads, and wheels
     of pytest (pure Python) for a GPU machine that lacks it and cannot download."""
     for name, vocab in MODELS.items():
         loaders.save_architecture(Path(folder) / name, vocab)
         print(f"wrote {Path(folder) / name}")
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d",
-                    str(Path(folder) / "wheels"), *WHEELS], check=False)
+    deadline.run(["python", "-m", "pip", "download", "--quiet", "--no-deps", "-d",
+                  str(Path(folder) / "wheels"), *WHEELS], SHARES["pip"])
 
 
-def ensure_packages(folder):
-    """pytest, and Liger-Kernel to time against, from the carried wheels where missing."""
-    missing = [wheel for wheel, module in WHEELS.items()
-               if importlib.util.find_spec(module) is None]
-    if missing and (Path(folder) / "wheels").is_dir():
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
-                        "--no-deps", "--find-links", str(Path(folder) / "wheels"), *missing],
-                       check=False)
+def missing_packages(folder):
+    """The carried wheels of pytest and Liger-Kernel (to time against) this Python lacks."""
+    if not (Path(folder) / "wheels").is_dir():
+        return []
+    return [wheel for wheel, module in WHEELS.items() if importlib.util.find_spec(module) is None]
+
+
+def ensure_packages(folder, missing, deadline):
+    """Install `missing` from the carried wheels, within the check's budget."""
+    if missing:
+        deadline.run(["python", "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                      "--find-links", str(Path(folder) / "wheels"), *missing], SHARES["pip"])
 
 
 def filler_pool(tokenizer, n, prompt_tokens):
@@ -114,31 +124,54 @@ def ppo_worker(model, preset, precision, decoding, iterations):
 
 
 class Deadline:
-    """The check's whole time budget: each command gets its own limit or what is left of the
-    budget, whichever is less; one that runs past it is stopped and becomes a row that says
-    so ("over N s, skipped"), and the check goes on to the next."""
+    """The check's whole time budget, shared out as it goes: a command's limit is its share of
+    the time left, share / (the shares of it and every command still to run), so the limits
+    sum to the budget at most, and what one command leaves unused goes to those after it. A
+    command past its limit is stopped with every process it started and becomes a row that
+    says so ("over N s, skipped"), and the check goes on to the next."""
 
-    def __init__(self, seconds):
-        self.end = time.time() + seconds
+    def __init__(self, seconds, planned, clock=time.monotonic):
+        self.clock = clock
+        self.end = clock() + seconds
+        self.planned = planned              # the shares of the commands still to run
 
-    def run(self, command, limit):
-        """(return code, output) of a subprocess in the repository root; code None when it
-        ran past its limit (the output says how long it had)."""
-        limit = max(1.0, min(limit, self.end - time.time()))
+    def limit(self, share):
+        """This command's seconds: its share of the time left (counted as run from now)."""
+        left = self.end - self.clock()
+        seconds = left * share / max(share, self.planned)
+        self.planned -= share
+        return seconds
+
+    def run(self, command, share):
+        """(return code, output) of a command in the repository root ("python" is this
+        interpreter); code None when it ran past its limit (the output then ends saying so).
+        It runs in a process group of its own, which is killed at the limit, and after it:
+        nothing it started (torchrun's workers, a server) outlives it."""
+        limit = self.limit(share)
+        if limit < 0.5:
+            return None, "no time left in the budget, skipped"
+        command = [sys.executable, *command[1:]] if command[0] == "python" else command
         print("$ " + " ".join(command[1:]), flush=True)
+        child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            out = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, capture_output=True,
-                                 text=True, timeout=limit)
+            output = child.communicate(timeout=limit)[0]
         except subprocess.TimeoutExpired:
-            return None, f"over {limit:.0f} s, skipped"
-        return out.returncode, out.stdout + out.stderr
+            os.killpg(child.pid, signal.SIGKILL)
+            partial = child.communicate()[0]
+            return None, partial + "\n" * (partial[-1:] not in ("", "\n")) + \
+                f"over {limit:.0f} s, skipped"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)        # what it left running
+        return child.returncode, output
 
 
 def step_tests(dry_run, deadline):
     """The kernel tests on CUDA tensors (their interpreter cases are the CPU's: CI runs them)."""
     command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
                "-k", "worked_example" if dry_run else "not fresh_process"]
-    code, output = deadline.run(command, LIMITS["tests"])
+    code, output = deadline.run(command, SHARES["tests"])
     summary = [line for line in output.splitlines() if " passed" in line or " failed" in line]
     return {"ok": code == 0, "summary": summary[-1].strip("= ") if summary else output[-500:]}
 
@@ -151,16 +184,13 @@ def step_kernels(dry_run, deadline):
         command = ["python", "-m", "tools.bench_kernels", "--sizes", *sizes, "--rounds", "1",
                    "--path-timeout", str(PATH_SECONDS), "--json", str(path)] + (
                        ["--device", "cpu"] if dry_run else [])
-        code, output = deadline.run(command, LIMITS["kernels"])
+        code, output = deadline.run(command, SHARES["kernels"])
         return ({"ok": True, "sizes": json.loads(path.read_text())} if code == 0
                 else {"ok": False, "error": output[-2000:]})
 
 
-def step_ppo(dry_run, models_dir, deadline):
-    """PPO iterations of each variant: bf16 and fp32 with decoding.py's graph (--decoding
-    auto), bf16 with Hugging Face's generate (the old way, side by side), bf16 under torchrun;
-    the median of the iterations after the first (the warm-up: compiles, the graph's
-    recording). ms a new token: the generate phase over its T."""
+def ppo_variants(dry_run, models_dir):
+    """label: (model folder, preset, precision, --decoding, launcher) of each PPO variant."""
     python = ["python"]
     torchrun = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     model = str(Path(models_dir) / "smollm2")
@@ -170,12 +200,21 @@ def step_ppo(dry_run, models_dir, deadline):
                  "fp32": (model, "blog", "fp32", "auto", python),
                  "bf16 generate": (model, "blog", "bf16", "hf", python),
                  "bf16 torchrun": (model, "blog", "bf16", "auto", torchrun)})
+    return variants
+
+
+def step_ppo(dry_run, models_dir, deadline):
+    """PPO iterations of each variant: bf16 and fp32 with decoding.py's graph (--decoding
+    auto), bf16 with Hugging Face's generate (the old way, side by side), bf16 under torchrun;
+    the median of the iterations after the first (the warm-up: compiles, the graph's
+    recording). ms a new token: the generate phase over its T."""
+    variants = ppo_variants(dry_run, models_dir)
     iterations = 2 if dry_run else 4
     out = {}
     for label, (model, preset, precision, decoding, launcher) in variants.items():
         command = launcher + ["-m", "tools.check_gpu", "--ppo-worker", model or "", preset,
                               precision, decoding, str(iterations)]
-        code, output = deadline.run(command, LIMITS["ppo variant"])
+        code, output = deadline.run(command, SHARES["ppo variant"])
         line = [x for x in output.splitlines() if x.startswith("RESULT ")]
         if code or not line:
             out[label] = {"ok": False, "error": output[-2000:]}
@@ -232,7 +271,9 @@ def print_table(report):
 
 STEPS = ("tests", "kernels", "ppo")
 BUDGET = 300                    # seconds for the whole check (issue 51: five minutes on an H200)
-LIMITS = {"tests": 90, "kernels": 90, "ppo variant": 60}      # seconds, each within BUDGET
+# Each command's share of BUDGET, in seconds if every one takes its whole share (pip only
+# where it runs; 4 PPO variants): 10 + 60 + 70 + 4 x 40 = 300.
+SHARES = {"pip": 10, "tests": 60, "kernels": 70, "ppo variant": 40}
 PATH_SECONDS = 25               # one kernel path at one size, compile included
 TARGETS = {"ms_per_token": 2.0, "seconds": 0.5}
 
@@ -240,27 +281,31 @@ TARGETS = {"ms_per_token": 2.0, "seconds": 0.5}
 def main(dry_run=False, out="runs/gpu_check.json", models_dir="runs/gpu_check",
          prepare_only=False, steps=STEPS):
     if prepare_only:
-        return prepare(models_dir)
+        return prepare(models_dir, Deadline(BUDGET, SHARES["pip"]))
     if not torch.cuda.is_available() and not dry_run:
         sys.exit("tools.bench_ppo: error: no GPU found (torch.cuda.is_available() is False); "
                  "--dry-run checks the command on the CPU")
-    if not dry_run and not all((Path(models_dir) / name / "config.json").is_file()
-                               for name in MODELS):
-        prepare(models_dir)                     # where SmolLM2 is at hand; else carry them
+    unprepared = not dry_run and not all((Path(models_dir) / name / "config.json").is_file()
+                                         for name in MODELS)
+    missing = missing_packages(models_dir) if not dry_run else []
+    variants = len(ppo_variants(dry_run, models_dir)) if "ppo" in steps else 0
+    planned = (SHARES["pip"] * (unprepared + bool(missing)) + SHARES["ppo variant"] * variants
+               + sum(SHARES[step] for step in steps if step != "ppo"))
+    start = time.time()                         # the budget starts here: pip included
+    deadline = Deadline(BUDGET if not dry_run else 3 * BUDGET, planned)   # dry run: 2 slow cores
+    if unprepared:
+        prepare(models_dir, deadline)           # where SmolLM2 is at hand; else carry them
+    ensure_packages(models_dir, missing, deadline)      # a GPU machine may lack them
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    if not dry_run:                             # a GPU machine may lack them; this one not
-        ensure_packages(models_dir)
-    start = time.time()
     report = {"device": torch.cuda.get_device_name() if not dry_run else "cpu",
               "torch": torch.__version__, "triton": triton_version, "dry_run": dry_run,
               "tests": {"ok": True, "summary": "not run"}, "kernels": {"ok": True},
               "ppo": {}}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    deadline = Deadline(BUDGET if not dry_run else 3 * BUDGET)  # the dry run: 2 slow cores
     run_step = {"tests": lambda: step_tests(dry_run, deadline),
                 "kernels": lambda: step_kernels(dry_run, deadline),
                 "ppo": lambda: step_ppo(dry_run, models_dir, deadline)}
