@@ -21,7 +21,7 @@ colour per setting: the judge's reward (with lines of equal reward - beta KL), M
 ROUGE-L against KL, one point per run.
 
 Run:   python -m tools.compare_estimators --gae-runs runs/ppo_sweep    (cpu preset: 9 runs
-                                                      of about 15 min on a 2-core CPU)
+                                                      of about 20 min on a 2-core CPU)
        python -m tools.compare_estimators --preset tiny --reward-model runs/rm_tiny --seeds 0
 Again: the same command resumes; finished runs are skipped. Any other flag goes to ppo.py.
 Time:  python -m tools.compare_estimators --time 6          (each setting for 6 iterations, back to
@@ -46,9 +46,10 @@ DESCRIPTION = """Does RLOO beat a careful PPO? ppo.py's estimators on the same s
 Runs each of --settings at one --beta over --seeds through ppo.py, in --out/SETTING, then
 writes --out/estimators.md (the table: the judge's reward, MRR, ROUGE-L and their gains over
 SFT, reward - beta KL, minutes a run) and --out/estimators.png (reward, MRR and ROUGE-L
-against KL, one point per run). Time: a run of the cpu preset takes about 15 min on a
-2-core CPU, so the default 4 settings x 3 seeds about 3 hours (9 runs, 2 1/4 hours, with
---gae-runs); the tiny preset, seconds a run; --table-only, seconds."""
+against KL, one point per run). Time: a run of the cpu preset took 19 to 23 minutes on a
+2-core CPU (docs/estimators.md), so the default 4 settings x 3 seeds take about 4 hours of
+runs (9 runs, about 3 hours, with --gae-runs); the tiny preset, seconds a run; --table-only,
+seconds."""
 
 SETTINGS = {          # name: ppo.py flags; each draws --batch x k = 8 responses an iteration
     "gae": ["--estimator", "gae", "--batch", "8"],
