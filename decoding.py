@@ -1,63 +1,32 @@
-"""Sampling the summaries with a static KV cache: the post's `generate`, at fixed shapes.
+"""Sampling the summaries over a static KV cache: the post's `generate`, at fixed shapes.
 
 The post's `generate` (section "Generating and scoring") calls Hugging Face's
-`model.generate(do_sample=True, top_k=TOP_K, top_p=TOP_P, temperature=TEMPERATURE)`. That
-loop spends each new token in Python: a growing cache, masks and position ids rebuilt, the
-logits processors, then about 1,400 kernels launched one by one (SmolLM2's 30 layers with the
-adapter; 1,900 under bf16 autocast, which casts every weight): 30-40 ms a token on an H200.
-`sample` draws the same tokens from the same distribution with every tensor at a fixed shape,
-so that on CUDA one decoding step is recorded once as a CUDA graph and replayed for every new
-token, its kernels launched together (`ppo.generate` picks it: --decoding).
+`model.generate(do_sample=True, top_k=TOP_K, top_p=TOP_P, temperature=TEMPERATURE)`, which
+spends each new token in Python: a growing cache, masks rebuilt, about 1,400 kernels launched
+one by one (30-40 ms a token on an H200). `sample` draws the same tokens from the same
+distribution with every tensor at a fixed shape, so that on CUDA one step is recorded once as
+a CUDA graph and replayed for each new token (`way`: --decoding auto on CUDA).
 
-    prefill   one pass over the left-padded prompts, (B, W): keys and values into the cache
-    step      one token per row: a_{t-1} in at cache column W + t - 1, a_t out, t = 1 .. T-1
+    prefill   one pass over the prompts, left-padded to width W: their keys and values cached
+    step      a_{t-1} in at cache column W + t - 1, a_t out, t = 1 .. T-1; a row that drew
+              EOS gets EOS after it, and the loop stops once every row has one, as `generate`
+    sampler   z = logits(s_t) / tau;  top-k, then top-p, as TopK- and TopPLogitsWarper;
+              pi = softmax(z);  a_t = argmax_i pi_i / q_i,  q_i ~ Exp(1)
 
-The sampler is the post's and Hugging Face's, for each row and step t:
-    z = logits(s_t) / tau                         fp32, tau the temperature
-    top-k: z_i = -inf where z_i < the k-th largest z (ties with the k-th stay)
-    top-p: sort z ascending; drop the tokens whose cumulative softmax is <= 1 - p; the most
-           likely always stays                     (TopKLogitsWarper, TopPLogitsWarper)
-    pi = softmax(z);  a_t = argmax_i pi_i / q_i,  q_i ~ Exp(1)
-The last line is `torch.multinomial(pi, 1)` as ATen computes it (aten/src/ATen/native/
-Distributions.cpp: `q = empty_like(p).exponential_(1)`, `argmax(p / q)`, the Gumbel-max
-trick). Drawing q ourselves, into a buffer, before each step (one kernel, outside the graph),
-keeps the random stream exactly the one `generate` draws: on the CPU this loop samples Hugging
-Face's ids for a seed (up to the last bits of the logits: tests/test_decoding.py), and the
-graph needs no random generator registered with it.
-A row that has drawn EOS gets EOS from then on (Hugging Face's `next * unfinished + pad * (1 -
-unfinished)`, with pad = EOS as ppo.py passes it), and the loop stops once every row has one.
+The last line is `torch.multinomial(pi, 1)` as ATen computes it (the Gumbel-max trick). q is
+drawn into a buffer before each step, outside the graph, so the random stream is the one
+`generate` draws: on the CPU `sample` gives Hugging Face's ids for a seed (tested). The Llama
+layers run here (`forward`: norm, q/k/v through the LoRA modules, RoPE, grouped-query
+attention over the cache, MLP), not through transformers' StaticCache, whose forward rebuilds
+its masks in Python and whose arguments moved between versions. A recorded graph reads the
+live weights, so the adapter the optimizer updates in place is the one each replay uses; a
+`GraphCache` keeps one per model and records again when a shape, a sampler setting or a
+weight's address changes.
 
-Choices, and why:
-    1. The Llama layers are run here (`forward`, about 20 lines: embed, then per layer the
-       norm, q/k/v called as the modules so that the LoRA adapter applies, RoPE from the
-       model's rotary embedding, grouped-query attention over the cache, o_proj, the MLP; the
-       final norm), not transformers' StaticCache behind `model.forward`: that forward builds
-       its masks and cache bookkeeping in Python on each call, and its arguments moved between
-       the versions we run (5.17, 5.24). Here every step is the same kernels on the same
-       buffers, with no `.item()` and no shape that moves, which is what a graph needs.
-    2. The graph reads the live tensors: the adapter the optimizer updates in place between
-       iterations is the one each replay multiplies by. Autocast's cache of bf16 weight copies
-       is off while recording (a copy cast before the recording would be read ever after).
-    3. One graph per model, kept while the model lives (a weak reference: freed with the
-       policy), recorded again when the shape, the sampler's settings or the address of a
-       weight change (a module swapped: the graph would read the old one). The graph's
-       prompt columns are padded on the left up to --prompt-tokens, so that one graph serves
-       every iteration (P, the batch's longest prompt, moves from one to the next; the extra
-       columns are padding, masked, and cost a little attention). Where the step cannot be
-       recorded (a driver or a torch that refuses it), one line says so and the same loop
-       runs without the graph.
-    4. One host sync a step, `unfinished.any()`, to stop where `generate` stops (same T, the
-       same number of draws from the random stream); with the graph it costs the launch of
-       the next replay.
-
-Departures from Hugging Face's `generate`, each repeated at its line:
-    1. The logits come from the LM head in fp32 even under bf16 autocast (departure 3 of
-       ppo.py: the log-probs are fp32 too); `generate` samples from bf16 logits there.
-    2. Attention runs over the whole cache, masked, rather than over the columns filled so
-       far, through torch's attention rather than transformers': the same softmax, summed in
-       another order. The logits agree with Hugging Face's to about 2e-6 of their range (fp32
-       SmolLM2: 8e-5 on logits up to 39), so a draw could differ only where two tokens tie
-       to that precision (none did in 2,304 draws of SmolLM2, 8 posts x 48 tokens x 6 seeds).
+Departure from Hugging Face's `generate`, ppo.py's departure 7 (speed, same algorithm), said
+again at its line: the logits come from the LM head in fp32 even under bf16 autocast, and
+attention runs masked over the whole cache through torch's kernel, its sums in another order
+(logits within 2e-6 of their range of Hugging Face's: no draw differed in 2,304 of SmolLM2's).
 
 Run:   python -m tools.bench_generate --decoding        (ms a new token, HF against this)
 Test:  pytest tests/test_decoding.py
@@ -161,7 +130,8 @@ def forward(model, decoder, ids, positions, columns, sees):
         v = heads(attention.v_proj(x), d)                           # (B, kv_heads, n, d) LoRA
         keys.index_copy_(2, columns, k.to(keys.dtype))              # cache[:, :, columns] = k
         values.index_copy_(2, columns, v.to(values.dtype))
-        # softmax(q K^T / sqrt(d)) V over the cache columns each query sees
+        # softmax(q K^T / sqrt(d)) V over the cache columns each query sees (ppo.py's
+        # departure 7: masked over the whole cache, torch's kernel, its sums in another order)
         a = F.scaled_dot_product_attention(q.reshape(B, -1, G * n, d), keys, values,
                                            attn_mask=sees, scale=attention.scaling)
         a = a.reshape(B, -1, n, d).transpose(1, 2).flatten(2)       # (B, n, heads * d)
@@ -200,7 +170,7 @@ def choose(model, decoder, hidden, cfg, eos_id):
 
     hidden (B, H), the last hidden state of s_t.
     """
-    with loaders.heads_in_fp32(hidden):     # departure 1: fp32 logits, even under autocast
+    with loaders.heads_in_fp32(hidden):     # ppo.py's departure 7: fp32 logits under autocast
         logits = model.lm_head(hidden.float())                      # (B, V) fp32
     probs = filtered_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)        # (B, V)
     # a_t = argmax_i pi_i / q_i, q ~ Exp(1): torch.multinomial(pi, 1) as ATen draws it
@@ -226,9 +196,10 @@ def step(model, decoder, cfg, eos_id):
 
 def record(model, decoder, cfg, eos_id):
     """`step` recorded once as a CUDA graph, after two warm-up steps on a side stream (as
-    torch.cuda.graph's documentation asks). Under the caller's autocast, with its weight
-    cache off (choice 2). The warm-up writes cache columns 0 and 1; `prefill` overwrites
-    them and resets the step's state before any replay."""
+    torch.cuda.graph's documentation asks). Under the caller's autocast, with its cache of
+    bf16 weight copies off: a copy cast before the recording would be read ever after. The
+    warm-up writes cache columns 0 and 1; `prefill` overwrites them and resets the step's
+    state before any replay."""
     autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                               enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
     side = torch.cuda.Stream()
@@ -243,27 +214,39 @@ def record(model, decoder, cfg, eos_id):
     return graph
 
 
-GRAPHS = weakref.WeakKeyDictionary()    # model -> its StaticDecoder with a recorded graph
+def way(decoding, device):
+    """How `ppo.generate` samples, from --decoding and the device: "hf" (Hugging Face's
+    `generate`, the post's call), "static" (`sample` without a graph) or "graph" (`sample`
+    with its step replayed as a CUDA graph). auto: the graph on CUDA, `generate` elsewhere,
+    so that the CPU's numbers are Hugging Face's."""
+    if decoding == "auto":
+        return "graph" if torch.device(device).type == "cuda" else "hf"
+    return decoding
 
 
-def decoder_for(model, prompt_ids, cfg, eos_id, graph):
-    """A StaticDecoder for this call: a fresh one without the graph; with it, the model's
-    recorded one while the shape, the sampler's settings and the weights' addresses hold
-    (choice 3)."""
-    device = prompt_ids.device
-    dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
-             else model.lm_head.weight.dtype)           # the cache holds what attention reads
-    width = max(prompt_ids.shape[1], cfg.prompt_tokens) if graph else prompt_ids.shape[1]
-    shape = (len(prompt_ids), width, cfg.max_new_tokens, dtype)
-    if not graph:
-        return StaticDecoder(model, *shape, device)
-    # What a recorded graph is bound to: its shapes, the sampler's constants, and the address
-    # of every weight it reads (a module swapped, as by lora.merge_lora, records it again)
-    key = (*shape, cfg.temperature, cfg.top_k, cfg.top_p, eos_id,
-           tuple(p.data_ptr() for p in model.parameters()))
-    decoder = GRAPHS.get(model)
-    if decoder is None or decoder.key != key:
-        GRAPHS.pop(model, None)                         # the old graph's memory first
+class GraphCache:
+    """The recorded decoding step of each model, kept while the model lives.
+
+    Maps a model (weakly: freed with the policy) to its StaticDecoder with a recorded graph.
+    The graph's prompt columns are padded on the left up to --prompt-tokens, so one graph
+    serves every iteration; it is recorded again when the batch, the sampler's settings or a
+    weight's address change (a module swapped, as by lora.merge_lora, would be read no more).
+    Where the step cannot be recorded (a driver or a torch that refuses it), one line says
+    so, the same loop runs without the graph, and recording is not retried for that shape.
+    """
+
+    def __init__(self):
+        self.decoders = weakref.WeakKeyDictionary()     # model -> StaticDecoder
+
+    def decoder(self, model, shape, device, cfg, eos_id):
+        """The model's recorded StaticDecoder for `shape` (B, W, T, dtype), recorded now if
+        the one kept was recorded for another shape, other settings or other weights."""
+        key = (*shape, cfg.temperature, cfg.top_k, cfg.top_p, eos_id,
+               tuple(p.data_ptr() for p in model.parameters()))
+        decoder = self.decoders.get(model)
+        if decoder is not None and decoder.key == key:
+            return decoder
+        self.decoders.pop(model, None)                  # the old graph's memory first
         decoder = StaticDecoder(model, *shape, device)
         try:
             decoder.graph = record(model, decoder, cfg, eos_id)
@@ -273,28 +256,48 @@ def decoder_for(model, prompt_ids, cfg, eos_id, graph):
                   "the same loop runs without it (--decoding static); --decoding hf is "
                   "Hugging Face's generate")
         decoder.key = key                               # tried once for these shapes
-        GRAPHS[model] = decoder
-    return decoder
+        self.decoders[model] = decoder
+        return decoder
+
+
+# The recorded steps of this process's policies: what ppo.generate replays with --decoding
+# auto on CUDA. Tests pass their own GraphCache.
+CUDA_GRAPHS = GraphCache()
+
+
+def decoder_for(model, prompt_ids, cfg, eos_id, graphs=None):
+    """A StaticDecoder for this call: a fresh one at the prompts' width without `graphs`;
+    with a GraphCache, the model's recorded one, at width --prompt-tokens."""
+    device = prompt_ids.device
+    dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+             else model.lm_head.weight.dtype)           # the cache holds what attention reads
+    if graphs is None:
+        return StaticDecoder(model, len(prompt_ids), prompt_ids.shape[1], cfg.max_new_tokens,
+                             dtype, device)
+    width = max(prompt_ids.shape[1], cfg.prompt_tokens)
+    return graphs.decoder(model, (len(prompt_ids), width, cfg.max_new_tokens, dtype), device,
+                          cfg, eos_id)
 
 
 # ------------------------------------------------------------------------- sampling
 
 @torch.no_grad()
-def sample(model, prompt_ids, prompt_mask, cfg, eos_id, graph=False):
+def sample(model, prompt_ids, prompt_mask, cfg, eos_id, graphs=None):
     """Sample a summary per post, keeping the ids that were sampled: `ppo.generate`'s result.
 
     in:  prompt_ids and prompt_mask (B, P), left-padded; cfg's max_new_tokens, temperature,
-         top_k, top_p (and prompt_tokens, the graph's width); graph: replay `step` as a CUDA
-         graph (CUDA only)
+         top_k, top_p (and prompt_tokens, the graph's width); graphs: a GraphCache to record
+         `step` in and replay it from as a CUDA graph (CUDA only), or None: the eager loop
     out: sequences (B, P+T) and actions (B, T). After a row's first EOS the row is EOS; T is
          the step at which every row has ended, or max_new_tokens.
     """
-    decoder = decoder_for(model, prompt_ids, cfg, eos_id, graph)
+    decoder = decoder_for(model, prompt_ids, cfg, eos_id, graphs)
     hidden = prefill(model, decoder, prompt_ids, prompt_mask)      # (B, H) s_0
     decoder.noise.exponential_(1)                   # q ~ Exp(1), as multinomial draws it
     choose(model, decoder, hidden, cfg, eos_id)     # a_0
     drawn = [decoder.token.clone()]
-    while len(drawn) < cfg.max_new_tokens and decoder.unfinished.any():   # choice 4
+    # one host sync a step, to stop where `generate` stops (same T, the same draws)
+    while len(drawn) < cfg.max_new_tokens and decoder.unfinished.any():
         decoder.noise.exponential_(1)
         if decoder.graph:
             decoder.graph.replay()                  # `step`, as recorded

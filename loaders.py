@@ -35,6 +35,10 @@ Also here: ppo.py's prompt pool, per-iteration draw and batching (`load_prompts`
 what depends on the device: `pick_device`, `native_bf16`, `fork_rng`, and the bf16 autocast
 contexts (`precision`, `heads_in_fp32`).
 
+Bad input is one line (a `cli.UserError`): support/cli.py imports nothing of this project,
+so this module, below support/ (whose modules import it), uses it without a cycle
+(tests/test_layout.py holds the layers).
+
 Run `python loaders.py` to print what it finds.
 """
 

@@ -109,16 +109,16 @@ def generate(model, prompt_ids, prompt_mask, cfg, eos_id):
     out: sequences (B, P+T) and actions (B, T), T <= max_new_tokens. After a row's
     first EOS, generate pads with EOS (SmolLM2's pad id), so `response_mask` later
     keeps positions up to and including the first EOS, never `!= pad`.
-    --decoding: Hugging Face's `generate` (the post's call; `auto` off CUDA), or the same
-    sampler over a static KV cache (decoding.py), replayed as a CUDA graph (`auto` on CUDA).
+    --decoding (`decoding.way`): Hugging Face's `generate` (the post's call) or decoding.py.
     """
-    if cfg.decoding == "hf" or (cfg.decoding == "auto" and not prompt_ids.is_cuda):
+    way = decoding.way(cfg.decoding, prompt_ids.device)    # "hf", "static" or "graph"
+    if way == "hf":
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True,
                              max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                              top_k=cfg.top_k, top_p=cfg.top_p, pad_token_id=eos_id)
         return out, out[:, prompt_ids.shape[1]:]                # (B, P+T), (B, T)
-    return decoding.sample(model, prompt_ids, prompt_mask, cfg, eos_id,
-                           graph=cfg.decoding == "auto")        # (B, P+T), (B, T)
+    graphs = decoding.CUDA_GRAPHS if way == "graph" else None   # replay the step, or eager
+    return decoding.sample(model, prompt_ids, prompt_mask, cfg, eos_id, graphs)  # (B, P+T) (B, T)
 
 
 def as_generated(prompt_ids, drawn, eos_id):

@@ -80,7 +80,8 @@ seeds missed one of the judge's held-out targets with it (docs/reward_model.md).
 `--precision bf16` (the body under bf16 autocast) took 0.79x the fp32 step with AMX, 2.3x
 the memory, and its judge read the post much less (relevance 0.64, seed 0): not the default.
 Elsewhere: the data and the pairs in support/rm_data.py; the metrics and the printed
-report in support/rm_report.py.
+report in support/rm_report.py; scoring lists of summaries (`score_grouped`, `score_texts`,
+both importable from here) in support/rm_score.py.
 
 Run:   python reward_model.py                 (cpu preset: ~55 min on a 2-core CPU without AVX-512)
        python reward_model.py --preset tiny   (toy model, seconds)
@@ -112,7 +113,8 @@ from gae import ended_with_eos, last_token_index
 from support import cli, rm_data, rm_report
 from support.config import option, read_config
 from support.disk import check_room, holding, write_aside
-from support.rm_data import encode, pad
+from support.rm_data import pad
+from support.rm_score import score_grouped, score_texts  # noqa: F401  (rm.score_texts)
 from support.report import check_finite, gradients
 from support.rm_report import (human_minus_reference_sd, pair_metrics,
                                pairwise_accuracy)
@@ -356,37 +358,6 @@ def build_reward_model(settings, device="cpu"):
 # ------------------------------------------------------------------ tokens and scoring
 
 
-@torch.no_grad()
-def score_grouped(model, prompts, summaries, batch_rows=32, progress="", split=False):
-    """Scores (N,) of summaries[i] after prompts[i] (id lists), on the CPU.
-
-    Each distinct prompt is read once and each distinct (prompt, summary) scored once;
-    prompts of similar length share a batch of about `batch_rows` summaries; `progress`
-    labels a progress bar (none if ""). `split`: under torchrun each rank scores its share
-    of the rows and every rank gets all N scores (a collective); nothing changes in one process.
-    """
-    if split:
-        mine = parallel.mine(range(len(prompts)))        # every row in one process
-        prompts, summaries = [prompts[i] for i in mine], [summaries[i] for i in mine]
-    groups = {}                                  # prompt -> its distinct summaries, in order
-    for p, s in zip(prompts, summaries):
-        groups.setdefault(tuple(p), {})[tuple(s)] = None
-    batches, batch, rows = [], [], 0
-    for p in sorted(groups, key=len):
-        batch, rows = batch + [p], rows + len(groups[p])
-        if rows >= batch_rows:
-            batches, batch, rows = batches + [batch], [], 0
-    batches += [batch] if batch else []
-    scores = {}
-    for batch in tqdm(batches, desc=progress, unit="batch", disable=not progress, leave=False):
-        rows = [(i, s) for i, p in enumerate(batch) for s in groups[p]]
-        got = model.forward_shared(batch, [s for _, s in rows],
-                                   torch.tensor([i for i, _ in rows]))      # (rows,)
-        scores.update(zip([(batch[i], s) for i, s in rows], got.cpu().tolist()))
-    out = torch.tensor([scores[tuple(p), tuple(s)] for p, s in zip(prompts, summaries)])
-    return parallel.gather(out) if split else out
-
-
 def with_eos(response_ids, response_mask, eos_id):
     """Responses that hit the length limit, given the EOS that training summaries end in.
 
@@ -414,17 +385,6 @@ def score_ids(model, prompt_ids, prompt_mask, response_ids, response_mask, part=
     ids = torch.cat([prompt_ids, response_ids], dim=1)                      # (B, P + T + 1)
     mask = torch.cat([prompt_mask, response_mask], dim=1)                   # (B, P + T + 1)
     return model.score_part(model(ids, mask), tokens, part)                 # (B,)
-
-
-@torch.no_grad()
-def score_texts(model, tokenizer, prompts, summaries, max_prompt_tokens=None, batch_rows=32,
-                part=DEFAULT_PART):
-    """Scores (B,) of written summaries (human TL;DRs), tokenized as in training."""
-    budget = max_prompt_tokens or model.settings["max_prompt_tokens"]
-    encoded = [encode(tokenizer, rm_data.fit_prompt_text(tokenizer, p, budget), s,
-                      model.settings["max_summary_tokens"]) for p, s in zip(prompts, summaries)]
-    content = score_grouped(model, [p for p, _ in encoded], [s for _, s in encoded], batch_rows)
-    return model.score_part(content, [len(s) - 1 for _, s in encoded], part)  # EOS not counted
 
 
 # ------------------------------------------------------------------ saving and loading

@@ -19,7 +19,9 @@ folder. So `ppo.py` and `reward_model.py`:
        SIGTERM (`kill`, a batch scheduler, torchrun stopping its workers) counts as a
        failure: `run_script` turns it into SystemExit, so that cleanup runs before exit.
 
-Used by: ppo.py, reward_model.py, loaders.py, report.py, disk.py. Tests: tests/test_cli.py.
+Used by: ppo.py, reward_model.py, loaders.py, report.py, disk.py. It imports no module of
+this project, so loaders.py, which support/ imports, can use it too (tests/test_layout.py).
+Tests: tests/test_cli.py.
 """
 
 import contextlib

@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 
 import loaders
-import reward_model as rm
 from support.measures import copied_bigrams, per_post, standard_error, summarize
 from support.quality import (asks_for_help, ends_with_question, paired_difference,
                              retrieval_ranks, rouge_l, samples_page, words)
 from support import cli, parallel
 from support.disk import write_json, write_text
 from support.kept import machine, summarize_run
+from support.rm_score import score_grouped, score_texts
 from support.report import (load_baseline, plot_curves, print_gain, print_row,
                             print_row_header, print_samples)
 
@@ -89,8 +89,8 @@ def relevance_gaps(samples, held_out, reward, tokenizer, written=False):
            s["ids"] if s["eos"] else s["ids"] + [eos] for s in samples]     # read at an EOS
     # Both sides scored here, the same way (content, these batches), though rollouts scored
     # home already: a gap of two differently computed numbers would carry their noise.
-    home = rm.score_grouped(reward, prompts, ids)                            # (n,)
-    away = rm.score_grouped(reward, prompts[1:] + prompts[:1], ids)          # (n,)
+    home = score_grouped(reward, prompts, ids)                            # (n,)
+    away = score_grouped(reward, prompts[1:] + prompts[:1], ids)          # (n,)
     return [h - a for h, a in zip(home.tolist(), away.tolist())]   # in Python's float64
 
 
@@ -252,7 +252,7 @@ def written_row(texts, held_out, reward, tokenizer, cfg, human=False):
     OpenAI 1.3B PPO ones): the judge's score of each (--reward; tokenized as in its
     training), the measures it never saw, its length in tokens and the share of its bigrams
     copied from the post. Returns (the row's means, the samples)."""
-    rewards = rm.score_texts(reward, tokenizer, [p["prompt"] for p in held_out], texts,
+    rewards = score_texts(reward, tokenizer, [p["prompt"] for p in held_out], texts,
                              part=cfg.reward).float()                         # (n,)
     samples = outside_measures([{"reward": r, "text": t} for r, t in zip(rewards.tolist(),
                                                                          texts)],

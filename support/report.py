@@ -555,38 +555,67 @@ def plot_curves(results, path):
     plt.close(fig)
 
 
-def plot_sweep(table, baseline, path, group="beta", objective_beta=None):
-    """Where the judge and the summaries part: the judge's reward (bars: its SE over posts),
-    MRR and ROUGE-L against KL, one point per run, a colour per value of `group` ("beta",
-    or compare_estimators' "setting"); the reference (SFT) at KL 0, and the OpenAI 1.3B and
-    people rows as lines (people have no ROUGE-L). With `objective_beta`, the judge's panel
-    has lines of equal reward - beta KL, the objective of runs at that beta."""
+# The y-axis of each of plot_sweep's panels, by tables.MEASURES' name
+AXES = {"judge's reward": "judge's reward (held out)",
+        "MRR": "MRR: 1 / rank of its own post (TF-IDF)",
+        "ROUGE-L": "ROUGE-L F1 against people's TL;DR"}
+
+
+def plot_sweep(table, baseline, path, group="beta", objective_beta=None, point="run",
+               bars="bars: ± 1 SE over the held-out posts (judge: of the run's reward; MRR "
+                    "and ROUGE-L: of its gain over the reference, paired by post)"):
+    """Where the judge and the summaries part: the judge's reward, MRR and ROUGE-L against
+    KL, one point per row of `table` (a run, or a group's means: `point` names it), a colour
+    per value of `group` ("beta", or compare_estimators' "setting"), error bars on every
+    panel (the rows' reward_se and gain SEs; `bars` says what they are, under the panels).
+    The reference (SFT) is a hollow star at KL 0, so points under it show; the OpenAI 1.3B
+    and people rows are lines (people have no ROUGE-L). Where the KLs span more than 20x,
+    KL is on a symlog axis (linear below 1 nat), so runs that stay near the reference are
+    not piled on it. With
+    `objective_beta`, the judge's panel has dashed lines of equal reward - beta KL."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     values = (sorted({r["beta"] for r in table}) if group == "beta"
               else list(dict.fromkeys(r[group] for r in table)))        # the table's order
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for ax, (title, (key, _)) in zip(axes, tables.MEASURES.items()):
+    kl = [r["kl"] for r in table] + [1]
+    spread = max(kl) > 20 * min(k for k in kl if k > 0)     # runs near 0 and far: symlog
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    for ax, (title, (key, gain)) in zip(axes, tables.MEASURES.items()):
+        se = "reward_se" if key == "reward" else f"{gain}_se"
         for i, value in enumerate(values):
             runs = [r for r in table if r[group] == value and key in r]
-            ax.errorbar([r["kl"] for r in runs], [r[key] for r in runs], fmt="o",
-                        color=f"C{i}", label=f"beta {value:g}" if group == "beta" else value,
-                        yerr=[r["reward_se"] for r in runs] if key == "reward" else None)
+            ax.errorbar([r["kl"] for r in runs], [r[key] for r in runs], fmt="o", ms=5,
+                        color=f"C{i}", capsize=3, elinewidth=1, alpha=0.85, zorder=3,
+                        label=f"beta {value:g}" if group == "beta" else value,
+                        yerr=[r[se] for r in runs] if all(se in r for r in runs) else None)
         if key in baseline["ref"]:
-            ax.plot([0], [baseline["ref"][key]], "k*", markersize=12,
-                    label="the reference (SFT)" if "start" in baseline else "the reference")
+            ax.plot([0], [baseline["ref"][key]], "*", ms=16, mfc="none", mec="k", mew=1.5,
+                    zorder=4, label="the reference (SFT)" if "start" in baseline
+                    else "the reference")
+        ax.margins(x=0.05, y=0.08)                      # the star whole, at the edge too
         for name, style in (("openai_1b", "--"), ("human", ":")):
-            if key in baseline.get(name, {}):
+            if baseline.get(name, {}).get(key) is not None:
                 ax.axhline(baseline[name][key], color="gray", ls=style,
                            label="OpenAI 1.3B" if name == "openai_1b" else "people")
+        if spread:
+            ax.set_xscale("symlog", linthresh=1)
+            ax.set_xlim(-0.15, 1.3 * max(kl))
+            ticks = [t for t in (0, 0.5, 1, 2, 5, 10, 20, 50) if t <= ax.get_xlim()[1]]
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         if key == "reward" and objective_beta is not None:
             equal_objective_lines(ax, objective_beta)
-        ax.set_xlabel("KL from the reference (nats)")
-        ax.set_title(f"held-out {title}, one point per run", fontsize=10)
-    axes[-1].legend(*axes[0].get_legend_handles_labels(), loc="upper left",   # every entry
+        ax.set_xlabel("KL from the reference (nats a summary" + ("; symlog)" if spread
+                                                                  else ")"))
+        ax.set_ylabel(AXES[title])
+        ax.set_title(f"held-out {title}, one point per {point}", fontsize=10)
+    handles = {}                                        # every entry once, from all panels
+    for ax in axes:
+        handles.update(zip(*reversed(ax.get_legend_handles_labels())))
+    axes[-1].legend(handles.values(), handles.keys(), loc="upper left",
                     bbox_to_anchor=(1.01, 1), fontsize="small")
-    fig.tight_layout()
+    fig.text(0.01, 0.01, bars, fontsize=9)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     save_figure(fig, path, dpi=100)
     plt.close(fig)
 
@@ -611,13 +640,15 @@ def optimum_curves(axes, optimum):
 
 
 def equal_objective_lines(ax, beta):
-    """Grey lines of equal reward - beta KL, 0.1 apart, across the panel: a point up and to
-    the right of another is only better on the objective when it sits on a higher line."""
+    """Dashed grey lines of equal reward - beta KL, 0.1 apart, across the panel: a point up
+    and to the right of another is only better on the objective when it sits on a higher
+    line. Drawn as polylines, so they stay the straight lines they are on a symlog axis."""
     (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    xs = [x0 + (x1 - x0) * k / 400 for k in range(401)]
     levels = range(math.floor(10 * (y0 - beta * x1)), math.ceil(10 * (y1 - beta * x0)) + 1)
     for k, level in enumerate(c / 10 for c in levels):
-        ax.plot([x0, x1], [level + beta * x0, level + beta * x1], color="0.85", lw=0.8,
-                zorder=0, label=None if k else f"equal reward - {beta:g} KL (0.1 apart)")
+        ax.plot(xs, [level + beta * x for x in xs], color="0.55", lw=0.9, ls=(0, (4, 3)),
+                zorder=1, label=None if k else f"equal reward - {beta:g} KL (0.1 apart)")
     ax.set_xlim(x0, x1)
     ax.set_ylim(y0, y1)
 

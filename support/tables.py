@@ -17,7 +17,7 @@ sft.py's start (SmolLM2), OpenAI's 1.3B PPO policy (the data's summaries) and pe
 `beside_sft` counts the runs of a group that beat the reference by more than 2 SE (over
 posts) on each measure; `peaks` names the group where each measure is highest.
 
-Used by: report.py (the sweep), tools/compare_estimators.py.
+Used by: report.py (the sweep), tools/compare_estimators.py, tools/transcribed_tables.py.
 Test: pytest tests/test_ppo.py -k tables
 """
 
@@ -97,21 +97,30 @@ def fixed_rows(base):
     return rows
 
 
+def table_line(cells):
+    """One Markdown table row; an empty cell is "| |"."""
+    return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+
+def markdown_table(columns, rows):
+    """A Markdown table of `rows` (lists of cell texts) under `columns`."""
+    return "\n".join([table_line(columns), "|" + " --- |" * len(columns),
+                      *(table_line(cells) for cells in rows)])
+
+
 def markdown(first, groups, base, extra=()):
     """A Markdown table: `first` names the groups' column (beta, setting), `groups` is
     [(name, runs)], `base` baseline.json (its rows under the groups; None: none), `extra`
     [(column, cells of each group)] after HEADER's columns. A group with no finished run
     is a row of dashes."""
-    def line(cells):                                    # an empty cell is "| |"
-        return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
     columns = [first, "runs", *HEADER, *(name for name, _ in extra)]
-    lines = [line(columns), "|" + " --- |" * len(columns)]
+    rows = []
     for i, (name, runs) in enumerate(groups):
         cells = group_cells(runs) if runs else ["—"] * len(HEADER)
-        lines.append(line([name, str(len(runs)), *cells, *(column[i] for _, column in extra)]))
+        rows.append([name, str(len(runs)), *cells, *(column[i] for _, column in extra)])
     for name, cells in fixed_rows(base) if base else []:
-        lines.append(line([name, "", *cells, *[""] * len(extra)]))
-    return "\n".join(lines)
+        rows.append([name, "", *cells, *[""] * len(extra)])
+    return markdown_table(columns, rows)
 
 
 def beside_sft(runs):

@@ -206,14 +206,14 @@ def test_the_ratio_is_one_after_sampling_with_static_decoding(tiny_judge, data_d
                                                               monkeypatch):
     """One PPO iteration whose batch decoding.py sampled: exactly 1 at the first inner step."""
     calls, real = [], decoding.sample
-    monkeypatch.setattr(decoding, "sample", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(decoding, "sample", lambda *a: calls.append(a[5:]) or real(*a))
     cfg = ppo.parse_args(["--preset", "tiny", "--iterations", "1", "--batch", "2",
                           "--decoding", "static", "--out", str(tmp_path)])
     models = (tiny, rm.load_reward_model(tiny_judge), tokenizer, torch.device("cpu"))
     _, _, results = ppo.train(cfg, 0.1, 0, models, tiny_pool(tokenizer), tmp_path,
                               progress=False)
     row = results["iterations"][0]
-    assert calls == [{"graph": False}]
+    assert calls == [(None,)]                  # no GraphCache: the eager loop
     assert row["ratio_min"] == row["ratio_max"] == 1.0
 
 
@@ -230,6 +230,12 @@ def test_bf16_autocast_runs_with_fp32_logits(tiny, tokenizer, monkeypatch):
     assert torch.allclose(bf16[0], fp32[0], atol=0.02)
     assert actions.shape == fp32_actions.shape and (actions < len(tokenizer)).all()
     assert torch.equal(sequences[:, -actions.shape[1]:], actions)
+
+
+def test_the_way_auto_picks_is_the_graph_on_cuda_and_generate_elsewhere():
+    assert [decoding.way("auto", d) for d in ("cpu", "cuda", "cuda:1", "mps")] == \
+        ["hf", "graph", "graph", "hf"]
+    assert [decoding.way(d, "cuda") for d in ("hf", "static")] == ["hf", "static"]
 
 
 def test_auto_decoding_is_generate_off_cuda(tiny, tokenizer, monkeypatch):
@@ -280,7 +286,7 @@ def test_the_step_reads_nothing_on_the_host_and_writes_in_place(tiny, tokenizer)
     model, cfg = policy_of(tiny), config()
     ids, mask = loaders.encode(tokenizer, PROMPTS, "cpu")
     with torch.no_grad():
-        decoder = decoding.decoder_for(model, ids, cfg, EOS, graph=False)
+        decoder = decoding.decoder_for(model, ids, cfg, EOS)
         hidden = decoding.prefill(model, decoder, ids, mask)
         decoder.noise.exponential_(1)
         decoding.choose(model, decoder, hidden, cfg, EOS)
@@ -308,13 +314,14 @@ def test_a_graph_that_cannot_be_recorded_is_one_line_and_the_loop_without_it(
     pad = cfg.prompt_tokens - ids.shape[1]              # the width a graph would have
     ids = torch.cat([torch.full((len(ids), pad), EOS), ids], 1)
     mask = torch.cat([torch.zeros(len(ids), pad, dtype=mask.dtype), mask], 1)
+    graphs = decoding.GraphCache()
     for _ in range(2):
         torch.manual_seed(0)
-        fallback = decoding.sample(model, ids, mask, cfg, EOS, graph=True)
+        fallback = decoding.sample(model, ids, mask, cfg, EOS, graphs)
     torch.manual_seed(0)
-    eager = decoding.sample(model, ids, mask, cfg, EOS, graph=False)
+    eager = decoding.sample(model, ids, mask, cfg, EOS)
     assert all(torch.equal(a, b) for a, b in zip(fallback, eager))
-    assert refuse.calls == 1 and decoding.GRAPHS[model].graph is None
+    assert refuse.calls == 1 and graphs.decoders[model].graph is None
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and "could not be recorded as a CUDA graph" in out[0]
 
@@ -335,20 +342,22 @@ def test_the_graph_replays_the_loop_and_reads_the_live_adapter(tokenizer, precis
     ids = torch.cat([torch.full((len(ids), pad), EOS, device=device), ids], 1)
     mask = torch.cat([torch.zeros(len(ids), pad, dtype=mask.dtype, device=device), mask], 1)
 
+    graphs = decoding.GraphCache()
+
     def run(graph, seed=0):
         torch.manual_seed(seed)
         with loaders.precision(cfg, device):
-            return decoding.sample(model, ids, mask, cfg, EOS, graph=graph)
+            return decoding.sample(model, ids, mask, cfg, EOS, graphs if graph else None)
 
     eager, graphed = run(False), run(True)
     assert torch.equal(graphed[0], eager[0])
-    recorded = decoding.GRAPHS[model]
+    recorded = graphs.decoders[model]
     with torch.no_grad():                                         # an optimizer step
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(0.5 * torch.randn_like(p))
     moved = run(True)
-    assert decoding.GRAPHS[model] is recorded                     # replayed, not recorded
+    assert graphs.decoders[model] is recorded                     # replayed, not recorded
     assert torch.equal(moved[0], run(False)[0])
     assert not torch.equal(moved[1], graphed[1])                  # the update moved the ids
     gone = weakref.ref(recorded)
@@ -364,10 +373,10 @@ def test_auto_decoding_on_cuda_samples_through_the_graph(tokenizer):
     ids, mask = loaders.encode(tokenizer, PROMPTS, device)
     cfg.decoding = "auto"
     sequences, actions = ppo.generate(model, ids, mask, cfg, EOS)
-    recorded = decoding.GRAPHS[model]
+    recorded = decoding.CUDA_GRAPHS.decoders[model]
     assert sequences.shape == (3, ids.shape[1] + actions.shape[1])
     assert torch.equal(sequences[:, :ids.shape[1]], ids)
     ppo.generate(model, ids[:, 2:], mask[:, 2:], cfg, EOS)        # a shorter P: same graph
-    assert decoding.GRAPHS[model] is recorded
+    assert decoding.CUDA_GRAPHS.decoders[model] is recorded
     ppo.generate(model, ids[:2], mask[:2], cfg, EOS)              # another B: recorded again
-    assert decoding.GRAPHS[model] is not recorded
+    assert decoding.CUDA_GRAPHS.decoders[model] is not recorded

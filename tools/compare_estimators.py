@@ -21,7 +21,7 @@ colour per setting: the judge's reward (with lines of equal reward - beta KL), M
 ROUGE-L against KL, one point per run.
 
 Run:   python -m tools.compare_estimators --gae-runs runs/ppo_sweep    (cpu preset: 9 runs
-                                                      of about 15 min on a 2-core CPU)
+                                                      of about 20 min on a 2-core CPU)
        python -m tools.compare_estimators --preset tiny --reward-model runs/rm_tiny --seeds 0
 Again: the same command resumes; finished runs are skipped. Any other flag goes to ppo.py.
 Time:  python -m tools.compare_estimators --time 6          (each setting for 6 iterations, back to
@@ -40,6 +40,16 @@ from pathlib import Path
 from tools.bench_parallel import print_timings, timed_run
 from support import cli, disk, tables
 from support.report import finished_row, plot_sweep, read_results
+
+DESCRIPTION = """Does RLOO beat a careful PPO? ppo.py's estimators on the same sample budget.
+
+Runs each of --settings at one --beta over --seeds through ppo.py, in --out/SETTING, then
+writes --out/estimators.md (the table: the judge's reward, MRR, ROUGE-L and their gains over
+SFT, reward - beta KL, minutes a run) and --out/estimators.png (reward, MRR and ROUGE-L
+against KL, one point per run). Time: a run of the cpu preset took 19 to 23 minutes on a
+2-core CPU (docs/estimators.md), so the default 4 settings x 3 seeds take about 4 hours of
+runs (9 runs, about 3 hours, with --gae-runs); the tiny preset, seconds a run; --table-only,
+seconds."""
 
 SETTINGS = {          # name: ppo.py flags; each draws --batch x k = 8 responses an iteration
     "gae": ["--estimator", "gae", "--batch", "8"],
@@ -149,19 +159,32 @@ def table(runs, base, beta, settings):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="cpu", choices=("cpu", "blog", "tiny"))
-    parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--reward-model", default="runs/reward_model")
-    parser.add_argument("--out", default="runs/estimators")
+    parser = argparse.ArgumentParser(
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=DESCRIPTION,
+        epilog="Any other flag goes to ppo.py as it is. The same command resumes: finished "
+               "runs are skipped.")
+    parser.add_argument("--preset", default="cpu", choices=("cpu", "blog", "tiny"),
+                        help="ppo.py's preset for every run (default: %(default)s)")
+    parser.add_argument("--beta", type=float, default=0.1,
+                        help="the KL coefficient of every run (default: %(default)s)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="the seeds of each setting (default: 0 1 2)")
+    parser.add_argument("--reward-model", default="runs/reward_model", metavar="DIR",
+                        help="the judge, a folder of reward_model.py (default: %(default)s)")
+    parser.add_argument("--out", default="runs/estimators", metavar="DIR",
+                        help="a folder per setting, the table and the plot "
+                             "(default: %(default)s)")
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=DEFAULT,
-                        help=f"run and show these (default: {' '.join(DEFAULT)})")
+                        metavar="NAME", help=f"run and show these, of {', '.join(SETTINGS)} "
+                                             f"(default: {' '.join(DEFAULT)})")
     parser.add_argument("--gae-runs", metavar="SWEEP", help="take gae's runs from this ppo.py "
-                        "sweep folder (its --beta runs of these seeds), e.g. runs/ppo_sweep")
-    parser.add_argument("--table-only", action="store_true", help="run nothing; print the table")
+                        "sweep folder (its --beta runs of these seeds), e.g. runs/ppo_sweep "
+                        "(default: none, gae runs here)")
+    parser.add_argument("--table-only", action="store_true",
+                        help="run nothing; write the table and the plot from the runs there")
     parser.add_argument("--time", type=int, metavar="N", help="instead of the experiment, time "
-                        "N iterations of each setting, back to back (on an idle machine)")
+                        "N >= 2 iterations of each setting, back to back in temporary folders "
+                        "(on an idle machine); writes nothing (default: off)")
     args, args.ppo_flags = parser.parse_known_args(argv)     # the rest go to ppo.py as they are
     if args.time is not None:
         if args.time < 2:
