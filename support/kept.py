@@ -9,7 +9,8 @@ that, written by every run (`support/heldout.evaluate_run`) and copied into `doc
 (`python -m tools.claims_page`, and the other pages' commands).
 
     summarize_run(results)   results.json's dict -> the summary (same keys, no texts
-                             beyond TEXTS posts, no ids, no code commits)
+                             beyond TEXTS posts but each summary's words, no ids, no
+                             code commits)
     machine()                the CPU that ran it, as a page names it: model and the
                              instruction sets that change the numbers' last bits and time
     read_run(path)           a run's summary from a run folder, a summary.json or a
@@ -21,6 +22,7 @@ import platform
 from pathlib import Path
 
 from support import cli
+from support.quality import words
 
 TEXTS = 3          # posts whose summaries keep their text: the samples a page quotes
 DROPPED = ("ids", "commits")
@@ -47,6 +49,8 @@ def _strip(value, keep_text):
     """A copy of a results.json value without ids and commits, and without texts unless
     `keep_text`; per-post lists keep their texts for the first TEXTS posts."""
     if isinstance(value, dict):
+        if isinstance(value.get("text"), str):              # a summary: its words stay
+            value = {**value, "words": len(words(value["text"]))}
         return {k: _strip(v, keep_text) for k, v in value.items()
                 if k not in DROPPED and (k != "text" or keep_text)}
     if isinstance(value, list):
