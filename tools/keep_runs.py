@@ -27,6 +27,7 @@ def main(argv=None):
                           for r in args.runs]
     if len(names) != len(args.runs):
         parser.error(f"--name: {len(names)} names for {len(args.runs)} runs")
+    Path(args.to).mkdir(parents=True, exist_ok=True)
     for run, name in zip(args.runs, names):
         summary = read_run(run)
         if not summary.get("final"):
