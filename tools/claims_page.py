@@ -1,0 +1,463 @@
+"""docs/claims.md: the readings' claims, each a command, a row and a verdict, remade from the
+run summaries the repository keeps (docs/runs/claims/, written by `tools.keep_runs`).
+
+    python -m tools.claims_page                 # docs/claims.md and its plots, in seconds
+    python -m tools.claims_page --check         # exit 1 if the page is not what the files say
+
+Every number on the page comes from those files. A claim whose runs are not there yet is a
+row that says so, with the command that makes them. Gains are paired by post within seed
+(`measures.paired_gain`): the larger of the SE over seeds and the SE over the 64 held-out
+posts; "above" and "below" mean past 2 SE.
+"""
+import argparse
+import json
+import math
+from pathlib import Path
+
+from support import cli
+from support.disk import save_figure, write_text
+from support.measures import length_bin, paired_gain, win_rate
+from support.rm_report import wilson_interval
+from support.tables import markdown_table
+
+RUNS = Path("docs/runs/claims")
+PAGE = Path("docs/claims.md")
+# The settings of the baseline run (the quick start's judge and SFT model, the cpu preset,
+# beta = 0.1); a run's setting is the flags where its config differs from these.
+BASE = {"beta": 0.1, "estimator": "gae", "batch": 8, "samples_per_prompt": 1, "lam": 0.95, "gamma": 0.99,
+        "clip": 0.2, "inner_steps": 2, "reward_noise": 0.0, "whiten_rewards": False,
+        "value_init": "post", "missing_eos_penalty": None, "value_clip": None, "vf_coef": 1.0,
+        "target_kl": None, "ent_coef": 0.0, "ptx_coef": 0.0, "flip_sign": False,
+        "reward": "content", "kl_estimator": "k1"}
+EDGES = (0.75, 1.25)                  # length bins: tools/length_bins.py says why
+
+
+# ------------------------------------------------------------------------ the runs' files
+
+def flags(config):
+    """The flags where a run's config differs from BASE, as a command writes them."""
+    out = []
+    for key, default in BASE.items():
+        value = config.get(key, default)
+        if value == default:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag)
+        elif value == math.inf:
+            out.append(f"{flag} off")
+        else:
+            out.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    return " ".join(out)
+
+
+def load(folder):
+    """{setting: {seed: summary}} of the PPO runs, and {name: data} of the other files
+    (concentration.json, optimum.json, dpo_*.json)."""
+    runs, other = {}, {}
+    for path in sorted(Path(folder).glob("*.json")):
+        with cli.reading(path, "a run summary kept by tools.keep_runs"):
+            data = json.loads(path.read_text())
+        config = data.get("config", {})
+        if data.get("final") and "estimator" in config:
+            runs.setdefault(flags(config), {})[config["seed"]] = data
+        else:
+            other[path.stem] = data
+    return runs, other
+
+
+# ------------------------------------------------------------------------ per-run numbers
+
+def per_post(run, measure):
+    """A run's held-out value of `measure` on each post: reward (the judge's), mrr (1 over
+    the rank of its own post), rouge_l, words, length, kl."""
+    samples = run["final"]["samples"]
+    if measure == "mrr":
+        return [1 / s["retrieval_rank"] for s in samples]
+    return [float(s[measure]) for s in samples]
+
+
+def sft_per_post(run, measure):
+    """SFT's (the reference's) value on each post, from the same run's file."""
+    if measure == "reward":
+        return [s["ref_reward"] for s in run["final"]["samples"]]
+    samples = run["final"]["ref_samples"]
+    return [1 / s["retrieval_rank"] if measure == "mrr" else float(s[measure]) for s in samples]
+
+
+def gain(runs, base_runs, measure):
+    """(gain, SE) of `runs` over `base_runs` ({seed: summary}) on `measure`, paired."""
+    g, se, _ = paired_gain({s: per_post(r, measure) for s, r in runs.items()},
+                           {s: per_post(r, measure) for s, r in base_runs.items()})
+    return g, se
+
+
+def over_sft(runs, measure):
+    """(gain, SE) of `runs` over SFT on the same posts."""
+    g, se, _ = paired_gain({s: per_post(r, measure) for s, r in runs.items()},
+                           {s: sft_per_post(r, measure) for s, r in runs.items()})
+    return g, se
+
+
+def mean_of(runs, measure):
+    """The mean over seeds of each run's mean over posts."""
+    values = [sum(per_post(r, measure)) / len(r["final"]["samples"]) for r in runs.values()]
+    return sum(values) / len(values)
+
+
+def training(runs, key, reduce=lambda rows, k: sum(r[k] for r in rows) / len(rows)):
+    """A per-iteration quantity reduced over a run's iterations, then averaged over seeds."""
+    values = [reduce(r["iterations"], key) for r in runs.values()]
+    return sum(values) / len(values)
+
+
+def pm(value, se, digits=2):
+    return f"{value:+.{digits}f} ± {se:.{digits}f}" if not math.isnan(se) else f"{value:+.{digits}f}"
+
+
+def accuracy(m):
+    """'61.2% [55.0%, 67.1%]': a judge's held-out accuracy and its Wilson interval (R4)."""
+    return f"{m['heldout_accuracy']:.1%} [{m['wilson_low']:.1%}, {m['wilson_high']:.1%}]"
+
+
+def versus(g, se):
+    """'above', 'below' (past 2 SE) or 'within 2 SE'."""
+    if math.isnan(se) or abs(g) <= 2 * se:
+        return "within 2 SE"
+    return "above" if g > 0 else "below"
+
+
+# ------------------------------------------------------------------------ the claims
+
+def row(number, reading, claim, command, measured, verdict):
+    return [number, reading, claim, f"`{command}`", measured, verdict]
+
+
+def missing(number, reading, claim, command, what):
+    return row(number, reading, claim, command, "—", f"not yet run: {what}")
+
+
+def judge_row(runs, base):
+    """The measured cell of a setting against the baseline: judge, MRR, ROUGE-L gains."""
+    cells = []
+    for measure, name, digits in (("reward", "judge", 2), ("mrr", "MRR", 3),
+                                  ("rouge_l", "ROUGE-L", 3)):
+        g, se = gain(runs, base, measure)
+        cells.append(f"{name} {pm(g, se, digits)}")
+    return ", ".join(cells) + f" vs β = 0.1 ({len(runs)} seed{'s' * (len(runs) > 1)})"
+
+
+def claims(runs, other):
+    """The table's rows, one per claim: [#, reading, claim, command, measured, verdict]."""
+    base = runs.get("")
+    rows = []
+    ppo = "python ppo.py --beta 0.1"
+    # 1. lambda
+    lams = ["--lam 1", "", "--lam 0.5", "--lam 0"]
+    claim = "λ from 1 to 0.95, 0.5 and 0: the reward falls in that order"
+    have = [s for s in lams if s in runs]
+    if base and len(have) >= 2:
+        means = {s: mean_of(runs[s], "reward") for s in have}
+        text = "; ".join(f"λ {'0.95' if s == '' else s.split()[1]}: {means[s]:+.2f}" for s in have)
+        g, se = gain(runs[have[0]], runs[have[-1]], "reward")
+        ordered = all(means[a] >= means[b] for a, b in zip(have, have[1:]))
+        verdict = ("holds here" if ordered and g > 2 * se else
+                   "does not hold here" if g < -2 * se else
+                   f"not resolved: λ {have[0].split()[-1] if have[0] else '0.95'} against "
+                   f"{have[-1].split()[-1] if have[-1] else '0.95'} is {pm(g, se)}, within 2 SE")
+        missing_lams = [s or "--lam 0.95" for s in lams if s not in runs]
+        verdict += f" ({', '.join(missing_lams)} not yet run)" * bool(missing_lams)
+        rows.append(row("1", "004 (Ahmadian et al.)", claim, f"{ppo} --lam {{1, 0.5, 0}} --seeds 0 1 2",
+                        "judge's reward: " + text, verdict))
+    else:
+        rows.append(missing("1", "004 (Ahmadian et al.)", claim,
+                            f"{ppo} --lam {{1, 0.5, 0}} --seeds 0 1 2", "the λ runs"))
+    conc = other.get("concentration")
+    claim = "the SFT model puts ~60% on its top token and >90% on its top 16 after the first"
+    if conc:
+        later = conc["after_first"]
+        top1, top16 = later["top1"], later["top16"]
+        verdict = ("holds here" if top1 >= 0.5 and top16 >= 0.9 else
+                   "does not hold here: less concentrated" if top16 < 0.9 or top1 < 0.5 else "")
+        rows.append(row("1", "004", claim, "python -m tools.concentration",
+                        f"top token {top1:.0%}, top 16 {top16:.0%}, entropy / log V "
+                        f"{later['entropy']:.2f}", verdict))
+    else:
+        rows.append(missing("1", "004", claim, "python -m tools.concentration", "its file"))
+    # 2. clipping
+    claim = "PPO clips fewer than 5% of tokens"
+    if runs:
+        fracs = {s: training(r, "clipfrac") for s, r in runs.items() if "--clip off" not in s}
+        worst = max(fracs.values())
+        rows.append(row("2", "004 (Huang et al.)", claim, f"{ppo}  (clipfrac, every run)",
+                        f"mean share clipped over iterations: {min(fracs.values()):.1%} to "
+                        f"{worst:.1%} over {len(fracs)} settings",
+                        "holds here" if worst < 0.05 else "does not hold here"))
+    for setting, claim, what in (
+            ("--clip off", "turning clipping off does not hurt", "no clipping"),
+            ("--clip off --inner-steps 1 --lam 1",
+             "vanilla policy gradient (no clip, no ratio, λ = 1) does not hurt",
+             "vanilla policy gradient")):
+        command = f"{ppo} {setting}"
+        if base and setting in runs:
+            g, se = gain(runs[setting], base, "reward")
+            rows.append(row("2", "004 (Ahmadian et al.)", claim, command,
+                            judge_row(runs[setting], base),
+                            "holds here" if g >= -2 * se else "does not hold here: it hurts"))
+        else:
+            rows.append(missing("2", "004 (Ahmadian et al.)", claim, command, what))
+    # 3. RAFT and reward noise
+    rloo = "--estimator rloo --batch 2 --samples-per-prompt 4"
+    for k in (2, 4):
+        raft = f"--estimator raft --batch {8 // k} --samples-per-prompt {k}"
+        claim = f"RAFT at k = {k} trails RLOO (2 x 4)"
+        command = f"{ppo} {raft}"
+        if raft in runs and rloo in runs:
+            g, se = gain(runs[raft], runs[rloo], "reward")
+            rows.append(row("3", "004 (Ahmadian et al.)", claim, command,
+                            f"judge {pm(g, se)} against RLOO",
+                            "holds here" if g < -2 * se else
+                            "does not hold here" if g > 2 * se else "not resolved: within 2 SE"))
+        else:
+            rows.append(missing("3", "004 (Ahmadian et al.)", claim, command,
+                                "RAFT and RLOO 2 x 4 at the same samples"))
+    claim = "RAFT loses more reward than RLOO under reward noise"
+    noisy = {s for s in runs if "--reward-noise" in s}
+    rows.append(missing("3", "004 (Ahmadian et al.)", claim,
+                        f"{ppo} {{{rloo}, --estimator raft --batch 2 --samples-per-prompt 4}} --reward-noise {{0.5, 1}}",
+                        "the noisy runs") if len(noisy) < 2 else
+                row("3", "004", claim, "...", f"{len(noisy)} noisy runs", "see below"))
+    # 4. DPO
+    dpo = {k: v for k, v in other.items() if k.startswith("dpo")}
+    claim = "DPO read as an implicit reward model is less accurate than the explicit judge"
+    if dpo:
+        cells, below, above = [], [], []
+        for name, d in sorted(dpo.items()):
+            judges = d["final"]["judges"]
+            implicit, explicit = judges["implicit"], judges["content"]
+            cells.append(f"β {d['config']['beta']:g}, seed {d['config']['seed']}: implicit "
+                         f"{accuracy(implicit)}, explicit (content) {accuracy(explicit)}")
+            below.append(implicit["wilson_high"] < explicit["wilson_low"])
+            above.append(implicit["wilson_low"] > explicit["wilson_high"])
+        verdict = ("holds here" if all(below) else "does not hold here" if any(above) else
+                   "not resolved: the Wilson intervals overlap")
+        rows.append(row("4", "004 (Huang et al.)", claim, "python dpo.py --beta 0.1 --seed 0",
+                        "; ".join(cells), verdict))
+    else:
+        rows.append(missing("4", "004 (Huang et al.)", claim, "python dpo.py --beta {0.05, 0.1, 0.5}",
+                            "the DPO runs"))
+    # 5. Stiennon's and Huang's settings, one change each
+    for setting, claim in (("--whiten-rewards", "whitening the rewards gives shorter summaries"),
+                           ("--value-init reward", "the value head from the judge"),
+                           ("--missing-eos-penalty -1", "-1 for a summary with no EOS"),
+                           ("--value-clip 0.2 --vf-coef 0.1", "the value loss clipped at 0.2, weight 0.1"),
+                           ("--gamma 1", "γ = 1"),
+                           ("--target-kl 3", "the adaptive KL controller (target 3 nats)")):
+        command = f"{ppo} {setting}"
+        if base and setting in runs:
+            measure = "words" if "whiten" in setting else "reward"
+            g, se = gain(runs[setting], base, measure)
+            rows.append(row("5", "004 (Stiennon, Huang et al.)", claim, command,
+                            judge_row(runs[setting], base) +
+                            (f"; words {pm(g, se, 1)}" if measure == "words" else ""),
+                            f"{versus(g, se)} the baseline on "
+                            f"{'words' if measure == 'words' else 'the judge'}"))
+        else:
+            rows.append(missing("5", "004 (Stiennon, Huang et al.)", claim, command, "one seed"))
+    # 6. (12) and (13) at beta = 0
+    for setting, claim in (("--beta 0 --ent-coef 0.01", "the entropy bonus (12) at β = 0 stops its copying and questions"),
+                           ("--beta 0 --ptx-coef 1", "the supervised loss (13) at β = 0 stops its copying and questions")):
+        rows.append(missing("6", "000 (the post)", claim, f"python ppo.py {setting}",
+                            "one seed, and β = 0 beside it"))
+    # 7. the optimum
+    opt = other.get("optimum")
+    claim = "PPO falls short of the KL-regularised optimum, the reference times e^{r/β}"
+    rows.append(missing("7", "004 (Ziegler et al.)", claim, "python -m tools.optimum",
+                        "its samples") if not opt else
+                row("7", "004 (Ziegler et al.)", claim, "python -m tools.optimum", "see below", ""))
+    # 8. length bins
+    claim = "PPO wins over SFT in every length bin"
+    if base:
+        bins = length_bins(base)
+        lows = [b["low"] for b in bins if b["n"]]
+        highs = [b["high"] for b in bins if b["n"]]
+        rows.append(row("8", "004 (Stiennon et al.)", claim, "python -m tools.length_bins RUN",
+                        "; ".join(f"{b['name']}: {b['win']:.0%} of {b['n']}" for b in bins),
+                        "holds here" if all(low > 0.5 for low in lows) else
+                        "does not hold here" if any(h < 0.5 for h in highs) else
+                        "not resolved: a bin's Wilson interval holds 50%"))
+    else:
+        rows.append(missing("8", "004 (Stiennon et al.)", claim, "python -m tools.length_bins RUN",
+                            "the β = 0.1 runs"))
+    # 9. the sign flip
+    claim = "negating both the score and the KL term gives fluent text the judge scores worst"
+    setting = "--flip-sign"
+    if setting in runs:
+        g, se = over_sft(runs[setting], "reward")
+        kl = training(runs[setting], "kl", lambda rows, k: rows[-1][k])
+        rows.append(row("9", "004 (Ziegler et al.)", claim, f"{ppo} --flip-sign",
+                        f"judge {pm(g, se)} over SFT; KL {kl:.2f} nats",
+                        "holds here" if g < -2 * se else "does not hold here"))
+    else:
+        rows.append(missing("9", "004 (Ziegler et al.)", claim, f"{ppo} --flip-sign", "one seed"))
+    return rows
+
+
+def length_bins(runs):
+    """The judge's win rate over SFT by the summary's length against the person's TL;DR,
+    pooled over seeds: [{"name", "n", "win", "low", "high"}]."""
+    pooled = {i: ([], []) for i in range(len(EDGES) + 1)}
+    for run in runs.values():
+        people = run["final"]["human_samples"]
+        for s, h in zip(run["final"]["samples"], people):
+            b = length_bin(s["length"] / max(h["length"], 1), EDGES)
+            pooled[b][0].append(s["reward"])
+            pooled[b][1].append(s["ref_reward"])
+    names = [f"< {EDGES[0]}", *(f"{a}-{b}" for a, b in zip(EDGES, EDGES[1:])), f">= {EDGES[-1]}"]
+    out = []
+    for b, (r, q) in pooled.items():
+        w = win_rate(r, q) if r else math.nan
+        low, high = wilson_interval(w, len(r)) if r else (math.nan, math.nan)
+        out.append({"name": f"length ratio {names[b]}", "n": len(r), "win": w, "low": low,
+                    "high": high})
+    return out
+
+
+# ------------------------------------------------------------------------ the settings' table
+
+COLUMNS = ["setting (flags beside `--beta 0.1`)", "seeds", "judge", "judge vs SFT",
+           "judge vs β = 0.1", "MRR", "MRR vs β = 0.1", "ROUGE-L", "ROUGE-L vs β = 0.1",
+           "words", "ends by itself", "copied", "KL", "clipped", "ratio after the last step",
+           "machine"]
+
+
+def settings_table(runs):
+    """A row per setting: its held-out means, its gains (paired, see `paired_gain`) and its
+    training's clip statistics, with the CPU that ran it."""
+    base = runs.get("")
+    rows = []
+    for setting in sorted(runs, key=lambda s: (s != "", s)):
+        r = runs[setting]
+        finals = [x["final"] for x in r.values()]
+        mean = lambda key: sum(f[key] for f in finals) / len(finals)  # noqa: E731
+        vs = (lambda m, d: pm(*gain(r, base, m), d)) if base and setting else (lambda m, d: "")
+        lo = min(x["iterations"][i]["ratio_after_min"] for x in r.values()
+                 for i in range(len(x["iterations"])))
+        hi = max(x["iterations"][i]["ratio_after_max"] for x in r.values()
+                 for i in range(len(x["iterations"])))
+        machines = sorted({x["machine"] for x in r.values()})
+        rows.append([f"`{setting}`" if setting else "(baseline)", str(len(r)),
+                     f"{mean_of(r, 'reward'):+.2f}", pm(*over_sft(r, "reward")),
+                     vs("reward", 2), f"{mean_of(r, 'mrr'):.3f}", vs("mrr", 3),
+                     f"{mean_of(r, 'rouge_l'):.3f}", vs("rouge_l", 3),
+                     f"{mean_of(r, 'words'):.0f}", f"{mean('eos_fraction'):.0%}",
+                     f"{mean('copied_bigrams'):.0%}", f"{mean('kl'):.2f}",
+                     f"{training(r, 'clipfrac'):.1%}", f"{lo:.2f} to {hi:.2f}",
+                     "; ".join(machines)])
+    if base:
+        one = next(iter(base.values()))
+        ref = one["final"]["ref"]
+        rows.append(["SFT (the reference)", "", f"{ref['reward']:+.2f}", "", "",
+                     f"{ref['retrieval_mrr']:.3f}", "", f"{ref['rouge_l']:.3f}", "",
+                     f"{sum(s['words'] for s in one['final']['ref_samples']) / len(one['final']['ref_samples']):.0f}",
+                     f"{ref['eos_fraction']:.0%}", f"{ref['copied_bigrams']:.0%}", "", "", "",
+                     ""])
+    return markdown_table(COLUMNS, rows)
+
+
+# ------------------------------------------------------------------------ plots
+
+def plot_lambda(runs, path):
+    """The judge's reward on each iteration's batch for each λ, a line per run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for setting, label in (("--lam 1", "λ = 1"), ("", "λ = 0.95 (the post's)"),
+                           ("--lam 0.5", "λ = 0.5"), ("--lam 0", "λ = 0")):
+        for seed, run in sorted(runs.get(setting, {}).items()):
+            rows = run["iterations"]
+            ax.plot([r["iteration"] for r in rows], [r["reward"] for r in rows],
+                    label=f"{label}, seed {seed}")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("judge's reward, mean over the batch")
+    ax.set_title("The judge's reward while training, by GAE's λ (β = 0.1)")
+    ax.legend(fontsize=8)
+    save_figure(fig, path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------ the page
+
+def page(runs, other):
+    """docs/claims.md's text."""
+    rows = claims(runs, other)
+    done = sum(not r[5].startswith("not yet run") for r in rows)
+    machines = sorted({r["machine"] for group in runs.values() for r in group.values()})
+    lines = [
+        "# The readings' claims, run at this scale",
+        "",
+        "Each claim the readings make about PPO's mechanisms, with the command that tests it "
+        "here, what it measured and a verdict. From the SFT model and the quick start's "
+        "judge, the cpu preset, β = 0.1 and GAE unless the command says otherwise; gains "
+        "are on the 64 held-out posts, paired by post within seed, ± the larger of the SE "
+        "over seeds and the SE over posts; \"above\" and \"below\" mean past 2 SE. "
+        f"{done} of {len(rows)} rows have their runs; the others say what is still to run. "
+        "Back to the [README](../README.md).",
+        "",
+        "```bash",
+        "python -m tools.claims_page      # this page and its plot, from docs/runs/claims/",
+        "```",
+        "",
+        markdown_table(["#", "reading", "claim", "command", "measured", "verdict"], rows),
+        "",
+        "## Every run, by setting",
+        "",
+        "Held-out means (mean over seeds), gains ± SE as above, the share of tokens the "
+        "clipped loss clipped (mean over iterations and inner steps) and the ratio "
+        "π_θ / π_old after the last inner step (lowest and highest over every iteration's "
+        "tokens). Machines: " + ("; ".join(machines) if machines else "none yet") + ".",
+        "",
+        settings_table(runs) if runs else "No run is kept yet.",
+        "",
+    ]
+    if any(s in runs for s in ("--lam 1", "--lam 0.5", "--lam 0")):
+        lines += ["## λ", "", "![The judge's reward on each training batch, a line per run "
+                  "for each GAE λ at β = 0.1](claims_lambda.png)", ""]
+    conc = other.get("concentration")
+    if conc:
+        lines += ["## How concentrated the SFT model is", "",
+                  "On its own held-out summaries, at each position after the first: the "
+                  "probability of its top token, of its top 16, and its entropy over log V "
+                  f"(mean ± SE over posts; `python -m tools.concentration`, on "
+                  f"{conc.get('machine', 'this machine')}).", "",
+                  markdown_table(["positions", "top token", "top 16", "entropy / log V"], [
+                      [name, *(f"{part[k]:.3f} ± {part[k + '_se']:.3f}"
+                               for k in ("top1", "top16", "entropy"))]
+                      for name, part in (("the first", conc["first"]),
+                                         ("after the first", conc["after_first"]))]), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default=str(RUNS), help=f"kept summaries (default {RUNS})")
+    parser.add_argument("--out", default=str(PAGE), help=f"the page (default {PAGE})")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if the page differs from what the files say")
+    args = parser.parse_args(argv)
+    runs, other = load(args.runs)
+    text = page(runs, other)
+    out = Path(args.out)
+    if args.check:
+        same = out.exists() and out.read_text() == text
+        print(f"{out}: {'the same as' if same else 'differs from'} what {args.runs} gives")
+        raise SystemExit(0 if same else 1)
+    write_text(out, text)
+    if any(s in runs for s in ("--lam 1", "--lam 0.5", "--lam 0")):
+        plot_lambda(runs, out.parent / "claims_lambda.png")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    cli.run_script(main)
