@@ -92,10 +92,11 @@ class Config:
 
 PRESETS = {
     "blog": dict(),
-    # 2 cores busy with other runs, OMP_NUM_THREADS=1: 8 sequences of 128 + 32 tokens take
-    # 5 s forward (the reference) and 11-15 s forward and backward (the policy), so a step
-    # of 8 pairs ~20 s: 30 steps ~10 min, 128 held-out pairs ~6 min (policy, reference and
-    # judge), the 64 posts' samples ~5 min. 240 of the ~1,400 pairs: LR 5e-4, PPO's cpu one.
+    # Measured with SmolLM2 on 2 cores busy with other runs (load 4.4), OMP_NUM_THREADS=1:
+    # a step of 8 pairs 31 s (the reference's log-probs of its new pairs included), 30 steps
+    # ~16 min; 128 held-out pairs ~5 min (policy, reference, judge); the 64 posts' samples
+    # ~3 min, the reference's and start rows ~3-6 min more unless the judge's folder keeps
+    # them from a PPO run: ~25-30 min. 240 of the ~1,400 pairs; LR 5e-4, PPO's cpu one.
     "cpu": dict(prompt_tokens=128, batch=8, micro_batch=4, steps=30, lr=5e-4,
                 heldout_pairs=128),
     "tiny": dict(prompt_tokens=64, batch=2, micro_batch=2, steps=3, heldout_pairs=8,
