@@ -16,6 +16,7 @@ Per run:
     evaluate_run          the trained policy's rollouts against the reference, paired by
                           post: the final entry of results.json, curves.png, samples.html
                           and the table
+    policy_row            its numbers alone (evaluate_run's, and dpo.py's policy row)
     outside_measures      per summary, what the judge never saw (quality.py): ROUGE-L
                           against the human TL;DR, the rank of its own post when the
                           summary alone retrieves it, and the judge's relevance gap
@@ -268,10 +269,10 @@ def written_row(texts, held_out, reward, tokenizer, cfg, human=False):
     return row, samples
 
 
-def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir, rollouts):
-    """The trained policy on the held-out posts, against the reference and people: the
-    final entry of results.json, its small copy summary.json (support/kept.py), curves.png,
-    the post's table rows and a few samples."""
+def policy_row(cfg, seed, policy, models, held_out, base, rollouts, **extra):
+    """A trained policy's held-out numbers against the reference and people, paired by post,
+    sampled with the seed 10,000 + `seed`: results.json's final entry (ppo.py's, and dpo.py's
+    with its own `extra` keys), and the samples."""
     reference, reward, tokenizer, device = models
     ref_samples, baseline = base["ref_samples"], base["baseline"]
     torch.manual_seed(10_000 + seed)
@@ -281,15 +282,25 @@ def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_d
     # Paired over the held-out posts: d_i = r_policy,i - r_ref,i (support/quality.py)
     gain, gain_se = paired_difference([s["reward"] for s in samples],
                                       [s["reward"] for s in ref_samples])
-    last20 = results["iterations"][-20:]
     final = {**summarize(samples), "gain_over_ref": gain, "gain_over_ref_se": gain_se,
              **outside_summary(samples, ref_samples),
              "ref": baseline["ref"], "human": baseline["human"],
-             **{k: baseline[k] for k in ("start", "openai_1b") if k in baseline},
-             "value_loss_last20": sum(r["value_loss"] for r in last20) / len(last20),
+             **{k: baseline[k] for k in ("start", "openai_1b") if k in baseline}, **extra,
              "samples": per_post(samples, ("length", "eos", "copied_bigrams", "kl", "text",
                                            *OUTSIDE), ref_samples),
              **base["baseline_posts"]}
+    return final, samples
+
+
+def evaluate_run(cfg, beta, seed, policy, results, models, held_out, base, run_dir, rollouts):
+    """The trained policy on the held-out posts, against the reference and people: the
+    final entry of results.json, its small copy summary.json (support/kept.py), curves.png,
+    the post's table rows and a few samples."""
+    baseline = base["baseline"]
+    last20 = results["iterations"][-20:]
+    final, samples = policy_row(cfg, seed, policy, models, held_out, base, rollouts,
+                                value_loss_last20=sum(r["value_loss"] for r in last20)
+                                / len(last20))
     results["final"], results["machine"] = final, machine()
     write_json(run_dir / "results.json", results)
     write_json(run_dir / "summary.json", summarize_run(results))   # what docs/runs/ keeps
