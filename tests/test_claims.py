@@ -176,3 +176,76 @@ def test_flip_sign_negates_the_score_and_the_kl_term():
     plain = ppo.parse_args(["--preset", "tiny"])
     seen, beta = ppo.learned_from(rewards, 0.1, plain, 0.0, 0, 0)
     assert seen is rewards and beta == 0.1
+
+
+# ------------------------------------------------------- kept summaries and the page
+
+def test_paired_gain_takes_the_larger_of_the_two_ses_by_hand():
+    from support.measures import paired_gain
+    # d = [1, 2, 3] on seed 0 and [1, 1, 1] on seed 1: per-seed means 2 and 1, gain 1.5;
+    # SE over seeds = sd(2, 1) / sqrt 2 = 0.5; per-post means 1, 1.5, 2: SE 0.5 / sqrt 3
+    gain, se, source = paired_gain({0: [1, 2, 3], 1: [2, 2, 2]}, {0: [0, 0, 0], 1: [1, 1, 1]})
+    assert (gain, source) == (1.5, "seeds") and se == pytest.approx(0.5)
+    gain, se, source = paired_gain({0: [1, 2, 3]}, {0: [0, 0, 0]})     # one seed: posts
+    assert (gain, source) == (2.0, "posts") and se == pytest.approx(1 / math.sqrt(3))
+
+
+def fake_run(seed, rewards, config=None, ranks=None):
+    """A kept summary as support/kept.summarize_run writes it, on len(rewards) posts."""
+    n = len(rewards)
+    samples = [{"post": i, "reward": r, "ref_reward": 0.0, "length": 10, "words": 8,
+                "retrieval_rank": (ranks or [1] * n)[i], "rouge_l": 0.2, "kl": 1.0}
+               for i, r in enumerate(rewards)]
+    ref = [{"post": i, "reward": 0.0, "length": 10, "words": 9, "retrieval_rank": 2,
+            "rouge_l": 0.1} for i in range(n)]
+    final = {"reward": sum(rewards) / n, "eos_fraction": 1.0, "copied_bigrams": 0.1,
+             "kl": 1.0, "samples": samples, "ref_samples": ref,
+             "human_samples": [{"post": i, "length": 10} for i in range(n)],
+             "ref": {"reward": 0.0, "retrieval_mrr": 0.5, "rouge_l": 0.1, "eos_fraction": 0.8,
+                     "copied_bigrams": 0.13}}
+    rows = [{"iteration": i, "reward": 0.1 * i, "clipfrac": 0.01, "kl": 1.0,
+             "ratio_after_min": 0.9, "ratio_after_max": 1.1} for i in range(3)]
+    return {"config": {"estimator": "gae", "beta": 0.1, "seed": seed, "batch": 8,
+                       **(config or {})}, "iterations": rows, "final": final,
+            "machine": "a test CPU"}
+
+
+def test_the_claims_page_from_kept_summaries(tmp_path):
+    import json
+    from tools import claims_page
+    runs = tmp_path / "claims"
+    runs.mkdir()
+    base = fake_run(0, [0.5, 0.5, 0.5, 0.5])
+    lam0 = fake_run(0, [0.0, -0.5, 0.0, -0.5], {"lam": 0.0})
+    lam1 = fake_run(0, [1.0, 1.0, 1.5, 1.5], {"lam": 1.0})
+    for name, run in (("base", base), ("lam0", lam0), ("lam1", lam1)):
+        (runs / f"{name}.json").write_text(json.dumps(run))
+    out = tmp_path / "claims.md"
+    claims_page.main(["--runs", str(runs), "--out", str(out)])
+    text = out.read_text()
+    lam_row = next(line for line in text.splitlines() if "falls in that order" in line)
+    # lambda 1 against 0: d = [1, 1.5, 1.5, 2], gain 1.5, SE 0.5 sd / 2 = 0.204: holds
+    assert "λ 1: +1.25; λ 0.95: +0.50; λ 0: -0.25" in lam_row and "holds here" in lam_row
+    assert "--lam 0.5 not yet run" in lam_row
+    clip_row = next(line for line in text.splitlines() if "fewer than 5%" in line)
+    assert "1.0% to 1.0%" in clip_row and "holds here" in clip_row
+    assert "not yet run" in next(line for line in text.splitlines() if "RAFT at k = 2" in line)
+    assert (tmp_path / "claims_lambda.png").stat().st_size > 1000
+    with pytest.raises(SystemExit) as same:
+        claims_page.main(["--runs", str(runs), "--out", str(out), "--check"])
+    assert same.value.code == 0
+
+
+def test_a_kept_summary_keeps_numbers_and_words_not_texts():
+    from support.kept import TEXTS, machine, summarize_run
+    samples = [{"post": i, "reward": 0.1 * i, "text": "two words", "ids": [1, 2]}
+               for i in range(5)]
+    results = {"config": {"beta": 0.1}, "commits": ["abc"], "iterations": [{"reward": 1.0}],
+               "final": {"reward": 0.2, "samples": samples}}
+    kept = summarize_run(results, where="a CPU")
+    assert "commits" not in kept and kept["machine"] == "a CPU"
+    rows = kept["final"]["samples"]
+    assert [("text" in r) for r in rows] == [True] * TEXTS + [False] * (5 - TEXTS)
+    assert all(r["words"] == 2 and "ids" not in r and r["reward"] == 0.1 * i
+               for i, r in enumerate(rows))
+    assert isinstance(machine(), str) and machine()
