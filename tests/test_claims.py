@@ -127,6 +127,7 @@ def train_tiny(argv, tiny_judge, tiny, tokenizer, folder, iterations=2, noise_sd
                      noise_sd=noise_sd)
 
 
+@pytest.mark.slow
 def test_noise_of_sd_zero_is_the_plain_run_and_noise_resumes_the_same(tiny_judge, data_dir,
                                                                        tiny, tokenizer,
                                                                        tmp_path):
@@ -150,6 +151,7 @@ def test_noise_of_sd_zero_is_the_plain_run_and_noise_resumes_the_same(tiny_judge
 
 # ------------------------------------------------- the new settings, end to end (tiny)
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [
     ["--estimator", "raft", "--samples-per-prompt", "2"],
     ["--clip", "off"],
