@@ -32,7 +32,9 @@ Departures from the post, each repeated at its line:
     5. The value loss and entropy average over real tokens; the value head starts from the
        post's default init.
     6. Extras, off by default as in the post: adaptive beta (Ziegler et al.), the k3 KL
-       estimator, a missing-EOS penalty, the entropy bonus (12), the ptx loss (13).
+       estimator, a missing-EOS penalty, the entropy bonus (12), the ptx loss (13); and the
+       readings' tests (docs/claims.md): no clipping (--clip off), noise on the score
+       (--reward-noise), the score and the KL term negated (--flip-sign).
     7. Speed and memory, same algorithm: micro-batches of similar prompt lengths, each cut to
        its own padding (same gradient); `--precision bf16` runs the bodies under autocast
        while log-probs, values and losses stay fp32 (the ratio is still exactly 1); on CUDA
@@ -42,6 +44,7 @@ Departures from the post, each repeated at its line:
     9. `--estimator rloo | reinforce | grpo` (the PPO/RLOO note, gae.py): the response as one
        action, R = score - beta sum_t KL_t, its baseline from other samples, no value head;
        A_i is spread over the response's tokens into the same clipped loss (8)-(10).
+       `raft`: the supervised loss (13) on the best of each prompt's k by R, no ratio.
 
 Papers: PPO, Schulman et al. 2017, arXiv:1707.06347 (sec. 3, 5); GAE, Schulman et al. 2015,
 arXiv:1506.02438; Ziegler et al. 2019, arXiv:1909.08593 (sec. 2.2, KL reward, adaptive beta);
