@@ -325,34 +325,43 @@ def length_bins(runs):
 
 # ------------------------------------------------------------------------ the settings' table
 
-COLUMNS = ["setting (flags beside `--beta 0.1`)", "seeds", "judge", "judge vs SFT",
+COLUMNS = ["setting (ppo.py's flags beside `--beta 0.1`)", "seeds", "judge", "judge vs SFT",
            "judge vs β = 0.1", "MRR", "MRR vs β = 0.1", "ROUGE-L", "ROUGE-L vs β = 0.1",
            "words", "ends by itself", "copied", "KL", "clipped", "ratio after the last step",
            "machine"]
 
 
-def settings_table(runs):
+def dpo_groups(other):
+    """The DPO runs ({"dpo.py --beta B": {seed: summary}}) among the other kept files."""
+    groups = {}
+    for name, d in other.items():
+        if name.startswith("dpo") and d.get("final"):
+            groups.setdefault(f"dpo.py --beta {d['config']['beta']:g}", {})[
+                d["config"]["seed"]] = d
+    return groups
+
+
+def settings_table(runs, dpo=None):
     """A row per setting: its held-out means, its gains (paired, see `paired_gain`) and its
-    training's clip statistics, with the CPU that ran it."""
+    training's clip statistics, with the CPU that ran it; then DPO's policies (`dpo`)."""
     base = runs.get("")
     rows = []
-    for setting in sorted(runs, key=lambda s: (s != "", s)):
-        r = runs[setting]
+    for setting in [*sorted(runs, key=lambda s: (s != "", s)), *sorted(dpo or {})]:
+        r = runs.get(setting) or dpo[setting]
         finals = [x["final"] for x in r.values()]
         mean = lambda key: sum(f[key] for f in finals) / len(finals)  # noqa: E731
         vs = (lambda m, d: pm(*gain(r, base, m), d)) if base and setting else (lambda m, d: "")
-        lo = min(x["iterations"][i]["ratio_after_min"] for x in r.values()
-                 for i in range(len(x["iterations"])))
-        hi = max(x["iterations"][i]["ratio_after_max"] for x in r.values()
-                 for i in range(len(x["iterations"])))
+        ratios = [row for x in r.values() for row in x.get("iterations", [])]
+        clipped = f"{training(r, 'clipfrac'):.1%}" if ratios else "—"
+        after = (f"{min(x['ratio_after_min'] for x in ratios):.2f} to "
+                 f"{max(x['ratio_after_max'] for x in ratios):.2f}" if ratios else "—")
         machines = sorted({x["machine"] for x in r.values()})
         rows.append([f"`{setting}`" if setting else "(baseline)", str(len(r)),
                      f"{mean_of(r, 'reward'):+.2f}", pm(*over_sft(r, "reward")),
                      vs("reward", 2), f"{mean_of(r, 'mrr'):.3f}", vs("mrr", 3),
                      f"{mean_of(r, 'rouge_l'):.3f}", vs("rouge_l", 3),
                      f"{mean_of(r, 'words'):.0f}", f"{mean('eos_fraction'):.0%}",
-                     f"{mean('copied_bigrams'):.0%}", f"{mean('kl'):.2f}",
-                     f"{training(r, 'clipfrac'):.1%}", f"{lo:.2f} to {hi:.2f}",
+                     f"{mean('copied_bigrams'):.0%}", f"{mean('kl'):.2f}", clipped, after,
                      "; ".join(machines)])
     if base:
         one = next(iter(base.values()))
@@ -418,7 +427,7 @@ def page(runs, other):
         "π_θ / π_old after the last inner step (lowest and highest over every iteration's "
         "tokens). Machines: " + ("; ".join(machines) if machines else "none yet") + ".",
         "",
-        settings_table(runs) if runs else "No run is kept yet.",
+        settings_table(runs, dpo_groups(other)) if runs else "No run is kept yet.",
         "",
     ]
     if any(s in runs for s in ("--lam 1", "--lam 0.5", "--lam 0")):
