@@ -371,7 +371,12 @@ def test_tiny_run_end_to_end_and_resume(tiny_reward_model, tmp_path):
     assert "ratio" in out and "human" in out and "reward=content" in out
     assert "gain over (ref): " in out and "paired over 4 posts" in out
     straight = json.loads((tmp_path / "straight" / "results.json").read_text())
-    assert set(straight) == {"config", "commits", "iterations", "final"}
+    assert set(straight) == {"config", "commits", "iterations", "final", "machine"}
+    kept = json.loads((tmp_path / "straight" / "summary.json").read_text())  # support/kept.py
+    assert set(kept) == {"config", "iterations", "final", "machine"}
+    assert kept["iterations"] == straight["iterations"]
+    assert [s["reward"] for s in kept["final"]["samples"]] == \
+        [s["reward"] for s in straight["final"]["samples"]]
     assert straight["config"]["reward"] == "content"
     final = straight["final"]
     assert {"reward_se", "eos_fraction", "copied_bigrams", "gain_over_ref",
