@@ -449,7 +449,7 @@ def page(runs, other):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--runs", default=str(RUNS), help=f"kept summaries (default {RUNS})")
     parser.add_argument("--out", default=str(PAGE), help=f"the page (default {PAGE})")
     parser.add_argument("--check", action="store_true",

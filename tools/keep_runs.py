@@ -16,7 +16,7 @@ from support.kept import read_run
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("runs", nargs="+", help="run folders (or their summary.json)")
     parser.add_argument("--to", required=True, help="the folder that keeps them, e.g. "
                         "docs/runs/claims")
