@@ -445,6 +445,36 @@ def page(runs, other):
                                for k in ("top1", "top16", "entropy"))]
                       for name, part in (("the first", conc["first"]),
                                          ("after the first", conc["after_first"]))]), ""]
+    dpo = dpo_groups(other)
+    if dpo:
+        lines += ["## DPO", "",
+                  "`python dpo.py --beta B --seed S`: the implicit judge (D1) against the "
+                  "explicit one on the judge's held-out comparisons (accuracy, Wilson 95% "
+                  "interval), and the training curve's last row under TRL's names (means over "
+                  "the last logged step's pairs). The DPO policy's held-out row is in the table "
+                  "of runs above.", "",
+                  markdown_table(["run", "pairs", "implicit (D1)", "judge: content",
+                                  "judge: full", "loss", "rewards/chosen", "rewards/rejected",
+                                  "rewards/margins", "rewards/accuracies", "machine"], [
+                      [f"`{name}`, seed {seed}", str(d["final"]["judges"]["pairs"]),
+                       *(accuracy(d["final"]["judges"][k]) for k in ("implicit", "content",
+                                                                    "full")),
+                       *(f"{d['curve'][-1][k]:+.3f}" for k in (
+                           "loss", "rewards/chosen", "rewards/rejected", "rewards/margins")),
+                       f"{d['curve'][-1]['rewards/accuracies']:.0%}", d["machine"]]
+                      for name, group in sorted(dpo.items())
+                      for seed, d in sorted(group.items())]), ""]
+    base = runs.get("")
+    if base:
+        lines += ["## By length", "",
+                  "The β = 0.1 runs' held-out summaries binned by their length over the "
+                  "person's TL;DR (tokens; cuts at 0.75 and 1.25, `tools/length_bins.py` says "
+                  "why): the judge's win rate over SFT's summary of the same post (a tie "
+                  "counts one half) with its Wilson 95% interval.", "",
+                  markdown_table(["bin", "posts", "win rate over SFT", "Wilson 95%"], [
+                      [b["name"], str(b["n"]), f"{b['win']:.0%}" if b["n"] else "—",
+                       f"{b['low']:.0%} to {b['high']:.0%}" if b["n"] else "—"]
+                      for b in length_bins(base)]), ""]
     return "\n".join(lines)
 
 
