@@ -354,8 +354,8 @@ class RatioError(RuntimeError):
 
 def ratio_line(iteration, lo, hi, clip):
     """The probe's line in the log: the ratio's range at the first inner step."""
-    return (f"iteration {iteration}: ratio at the first inner step {lo:.4f} to {hi:.4f} "
-            f"(clip range {1 - clip:.1f} to {1 + clip:.1f})")
+    return (f"iteration {iteration}: ratio at the first inner step {lo:.4f} to {hi:.4f} " + (
+            f"(clip range {1 - clip:.1f} to {1 + clip:.1f})" if clip < math.inf else "(no clip)"))
 
 
 def check_ratio(ratio, tolerance=1e-5):
