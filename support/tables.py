@@ -32,7 +32,7 @@ MEASURES = {"judge's reward": ("reward", "gain_over_ref"),
             "ROUGE-L": ("rouge_l", "rouge_l_gain_over_ref")}
 HEADER = ["judge's reward: mean ± SE over seeds", "worst to best", "judge's gain over (ref)",
           "MRR", "MRR gain", "ROUGE-L", "ROUGE-L gain", "words", "ends by itself", "copied",
-          "asks for help", "KL"]
+          "asks for help", "KL", "clipped", "ratio after the last step"]
 FIXED = (("ref", "ref_samples", "(ref)"), ("start", "start_samples", "(start)"),
          ("openai_1b", "openai_1b_samples", "OpenAI 1.3B PPO"), ("human", "human_samples", "people"))
 
@@ -43,9 +43,16 @@ def mean_words(samples):
 
 
 def with_words(row, results):
-    """A finished run's row (report.finished_row) with the mean words of its summaries,
-    from its results.json."""
-    return {**row, "words": mean_words(results["final"]["samples"])}
+    """A finished run's row (report.finished_row) with the mean words of its summaries and
+    its training's clip statistics (the share of tokens clipped, mean over iterations; the
+    ratio's range after the last inner step, over every iteration), from its results.json.
+    A run from before the ratio after the last step was kept has none."""
+    steps = results.get("iterations") or []
+    clip = {"clipfrac": sum(r["clipfrac"] for r in steps) / len(steps)} if steps else {}
+    if steps and "ratio_after_min" in steps[0]:
+        clip["ratio_after"] = (min(r["ratio_after_min"] for r in steps),
+                               max(r["ratio_after_max"] for r in steps))
+    return {**row, "words": mean_words(results["final"]["samples"]), **clip}
 
 
 def over_seeds(values, digits=3):
@@ -72,7 +79,10 @@ def group_cells(runs):
             cell("words", lambda v: f"{mean(v):.0f}"),
             *(cell(key, lambda v: f"{mean(v):.0%}")
               for key in ("eos_fraction", "copied_bigrams", "asks_for_help")),
-            cell("kl", lambda v: f"{mean(v):.2f}")]
+            cell("kl", lambda v: f"{mean(v):.2f}"),
+            cell("clipfrac", lambda v: f"{mean(v):.2%}"),
+            cell("ratio_after", lambda v: f"{min(a for a, _ in v):.2f} to "
+                                          f"{max(b for _, b in v):.2f}")]
 
 
 def fixed_rows(base):
@@ -93,7 +103,7 @@ def fixed_rows(base):
                             f"{mean_words(base['baseline_posts'][posts]):.0f}",
                             f"{row['eos_fraction']:.0%}" if "eos_fraction" in row else "—",
                             f"{row['copied_bigrams']:.0%}", f"{row['asks_for_help']:.0%}",
-                            f"{row['kl']:.2f}" if "kl" in row else "—"]))
+                            f"{row['kl']:.2f}" if "kl" in row else "—", "", ""]))
     return rows
 
 
