@@ -48,7 +48,8 @@ def with_words(row, results):
     ratio's range after the last inner step, over every iteration), from its results.json.
     A run from before the ratio after the last step was kept has none."""
     steps = results.get("iterations") or []
-    clip = {"clipfrac": sum(r["clipfrac"] for r in steps) / len(steps)} if steps else {}
+    clip = ({"clipfrac": sum(r["clipfrac"] for r in steps) / len(steps)}
+            if steps and "clipfrac" in steps[0] else {})
     if steps and "ratio_after_min" in steps[0]:
         clip["ratio_after"] = (min(r["ratio_after_min"] for r in steps),
                                max(r["ratio_after_max"] for r in steps))

@@ -602,7 +602,11 @@ def test_tables_mean_over_seeds_with_their_se():
                                                   rouge_l_gain_over_ref=0.07, words=31.0)]
     assert tables.group_cells(runs) == [
         "-0.40 ± 0.10", "-0.50 to -0.30", "+0.60 ± 0.10", "0.400", "+0.100 ± 0.000", "0.250",
-        "+0.060 ± 0.010", "26", "50%", "25%", "0%", "6.00"]
+        "+0.060 ± 0.010", "26", "50%", "25%", "0%", "6.00", "—", "—"]
+    # the clip statistics (tables.with_words): mean share clipped, the ratio's widest range
+    clipped = [{**r, "clipfrac": c, "ratio_after": after} for r, c, after in zip(
+        runs, (0.01, 0.03), ((0.9, 1.2), (0.8, 1.1)))]
+    assert tables.group_cells(clipped)[-2:] == ["2.00%", "0.80 to 1.20"]
     assert tables.group_cells(runs[:1])[:3] == ["-0.50", "-0.50 to -0.50", "+0.50"]
     old = {k: v for k, v in runs[0].items() if not k.startswith("rouge_l")}
     assert tables.group_cells([old, runs[1]])[5:7] == ["—", "—"]
@@ -623,7 +627,7 @@ def test_tables_fixed_rows_and_the_groups_line_up():
     assert len({line.count("|") for line in lines}) == 1                # the columns line up
     assert lines[3].startswith("| 2 | 0 | — |") and lines[3].endswith("| b |")
     assert lines[4] == ("| SFT (ref) | | -1.00 ± 0.25 (over posts) | | | 0.600 | | 0.150 "
-                        "| | 2 | 75% | 12% | 50% | 0.00 | |")
+                        "| | 2 | 75% | 12% | 50% | 0.00 | | | |")
     assert lines[5].startswith("| SmolLM2-135M-Instruct (start) | | -1.00")
     assert lines[6].startswith("| people |") and "| — | | 2 | — |" in lines[6]    # 1.5 words
 
@@ -882,7 +886,7 @@ def test_compare_estimators_table_means_over_seeds_and_the_shared_objective():
     text = compare_estimators.table(runs, None, 0.1, ["gae", "rloo_2x4", "reinforce"])
     # rewards -0.5, -0.3: mean -0.40, SE 0.10; reward - 0.1 KL: -1.2, -0.8: mean -1.00, SE 0.20
     assert "| rloo_2x4 | 2 | -0.40 ± 0.10 | -0.50 to -0.30 |" in text
-    assert text.splitlines()[3].endswith("| 6.00 | -1.00 ± 0.20 | 10.0 |")
+    assert text.splitlines()[3].endswith("| 6.00 | — | — | -1.00 ± 0.20 | 10.0 |")
     assert "| reinforce (1 failed) (0 of 1) | 0 | — |" in text and "| gae (0 of 0) | 0 |" in text
     assert "reinforce seed 0: failed: NaN in the loss" in text
     assert len({line.count("|") for line in text.splitlines() if "|" in line}) == 1
