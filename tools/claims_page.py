@@ -254,8 +254,11 @@ def claims(runs, other):
                          f"{accuracy(implicit)}, explicit (content) {accuracy(explicit)}")
             below.append(implicit["wilson_high"] < explicit["wilson_low"])
             above.append(implicit["wilson_low"] > explicit["wilson_high"])
+        higher = all(d["final"]["judges"]["implicit"]["heldout_accuracy"]
+                     > d["final"]["judges"]["content"]["heldout_accuracy"] for d in dpo.values())
         verdict = ("holds here" if all(below) else "does not hold here" if any(above) else
-                   "not resolved: the Wilson intervals overlap")
+                   "not resolved: the Wilson intervals overlap"
+                   + (" (the implicit judge is the higher here)" if higher else ""))
         rows.append(row("4", "004 (Huang et al.)", claim, "python dpo.py --beta 0.1 --seed 0",
                         "; ".join(cells), verdict))
     else:
