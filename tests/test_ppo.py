@@ -448,7 +448,7 @@ def test_tiny_sweep_prints_the_posts_table(tiny_reward_model, tmp_path):
     table = [line for line in lines if line.startswith(("| 0 | 2 |", "| 0.5 | 2 |",
                                                          "| OpenAI 1.3B PPO |"))]
     more = [line for line in lines if line.startswith(("| 0 | ", "| 0.5 | ")) and " of 2 |" in line]
-    assert len(table) == 3 and {line.count("|") for line in table} == {15}      # 14 columns
+    assert len(table) == 3 and {line.count("|") for line in table} == {17}      # 16 columns
     assert len(more) == 2 and {line.count("|") for line in more} == {12}
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert sweep["commits"] == [report.git_commit()]          # the code that made the table
