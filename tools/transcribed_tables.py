@@ -21,6 +21,7 @@ from pathlib import Path
 
 from support import cli, disk, tables
 from support.report import plot_sweep
+from support.measures import spearman
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 DATA = DOCS / "runs" / "transcribed"
@@ -75,29 +76,6 @@ def peaks_line(groups):
                               ("ROUGE-L", "rouge_l"))}
     return "Means over seeds peak at: " + "; ".join(f"{name}, beta = {beta:g}"
                                                     for name, beta in best.items()) + "."
-
-
-def ranks(values):
-    """Ranks 1..n, ties given the mean of the ranks they share."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in order[i:j + 1]:
-            out[k] = (i + j) / 2 + 1                    # the mean of ranks i+1 .. j+1
-        i = j + 1
-    return out
-
-
-def spearman(x, y):
-    """Spearman's rho: Pearson's correlation of the ranks (ties averaged)."""
-    rx, ry = ranks(x), ranks(y)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
 def more_table(more):
