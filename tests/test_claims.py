@@ -192,11 +192,13 @@ def test_paired_gain_takes_the_larger_of_the_two_ses_by_hand():
     assert (gain, source) == (2.0, "posts") and se == pytest.approx(1 / math.sqrt(3))
 
 
-def fake_run(seed, rewards, config=None, ranks=None):
-    """A kept summary as support/kept.summarize_run writes it, on len(rewards) posts."""
+def fake_run(seed, rewards, config=None, ranks=None, **per_post):
+    """A kept summary as support/kept.summarize_run writes it, on len(rewards) posts;
+    per_post: more of each sample's fields, a list each (copied_bigrams=[...], ...)."""
     n = len(rewards)
     samples = [{"post": i, "reward": r, "ref_reward": 0.0, "length": 10, "words": 8,
-                "retrieval_rank": (ranks or [1] * n)[i], "rouge_l": 0.2, "kl": 1.0}
+                "retrieval_rank": (ranks or [1] * n)[i], "rouge_l": 0.2, "kl": 1.0,
+                **{key: values[i] for key, values in per_post.items()}}
                for i, r in enumerate(rewards)]
     ref = [{"post": i, "reward": 0.0, "length": 10, "words": 9, "retrieval_rank": 2,
             "rouge_l": 0.1} for i in range(n)]
@@ -237,6 +239,53 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
     with pytest.raises(SystemExit) as same:
         claims_page.main(["--runs", str(runs), "--out", str(out), "--check"])
     assert same.value.code == 0
+
+
+def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
+    import json
+    from tools import claims_page
+    runs = tmp_path / "claims"
+    runs.mkdir()
+    raft = {"estimator": "raft", "batch": 2, "samples_per_prompt": 4}
+    rloo = {"estimator": "rloo", "batch": 2, "samples_per_prompt": 4}
+    beta0 = {"beta": 0.0}
+    files = {
+        "base": fake_run(0, [0.5] * 4),
+        "raft": fake_run(0, [1.0] * 4, raft),
+        "raft_noise": fake_run(0, [0.0] * 4, {**raft, "reward_noise": 1.0}),
+        "rloo": fake_run(0, [1.0] * 4, rloo),
+        "rloo_noise": fake_run(0, [0.5, 1.0, 0.5, 1.0], {**rloo, "reward_noise": 1.0}),
+        "beta0": fake_run(0, [2.0] * 4, beta0, copied_bigrams=[0.5] * 4,
+                          question=[True, True, False, False]),
+        "ent": fake_run(0, [2.0] * 4, {**beta0, "ent_coef": 0.01},
+                        copied_bigrams=[0.1, 0.2, 0.1, 0.2], question=[False] * 4),
+        "ptx": fake_run(0, [2.0] * 4, {**beta0, "ptx_coef": 1.0},
+                        copied_bigrams=[0.5] * 4, question=[True, True, False, False]),
+        "optimum": {"samples": 4, "kl_cap": math.log(4), "machine": "a test CPU",
+                    "optimum": [{"beta": 0.1, "kl": 1.2, "reward": 1.0, "reward_se": 0.1}],
+                    "best_of_n": [{"n": n, "kl": math.log(n) - (n - 1) / n,
+                                   "reward": 0.2 * n - 0.1, "reward_se": 0.05}
+                                  for n in range(1, 5)]}}
+    for name, data in files.items():
+        (runs / f"{name}.json").write_text(json.dumps(data))
+    out = tmp_path / "claims.md"
+    claims_page.main(["--runs", str(runs), "--out", str(out)])
+    lines = out.read_text().splitlines()
+    line = lambda words: next(x for x in lines if words in x)  # noqa: E731
+    # falls: RAFT -1 on every post, RLOO -0.5, 0, -0.5, 0; D = -0.5, -1, -0.5, -1:
+    # -0.75, SE sd / 2 = 0.144: RAFT loses more, past 2 SE
+    assert ("RAFT -1.00, RLOO -0.25; RAFT's against RLOO's -0.75 ± 0.14" in
+            line("under reward noise") and "holds here (1 seed)" in line("under reward noise"))
+    # entropy bonus: copied -0.35 ± 0.03 (below), questions -0.50 ± 0.29 (within 2 SE)
+    assert "copied bigrams -0.35 ± 0.03 against β = 0 alone" in line("entropy bonus")
+    assert "in part: copied bigrams" in line("entropy bonus")
+    assert "does not hold here" in line("supervised loss (13)")
+    # PPO: +0.50 at KL 1.00; best of n with KL <= 1: n = 4 (KL 0.64), 0.70 ± 0.05; the
+    # optimum 1.00 ± 0.10: below both by more than 2 SE
+    assert "best of 4 (KL 0.64, at most PPO's): +0.70 ± 0.05" in line("KL-regularised")
+    assert "holds here: below the optimum and best of 4" in line("KL-regularised")
+    assert "log k = 1.39" in line("KL-regularised")
+    assert (tmp_path / "claims_optimum.png").stat().st_size > 1000
 
 
 def test_a_kept_summary_keeps_numbers_and_words_not_texts():

@@ -17,8 +17,9 @@ from pathlib import Path
 from support import cli
 from support.disk import save_figure, write_text
 from support.measures import length_bin, paired_gain, win_rate
+from support.report import optimum_curves
 from support.rm_report import wilson_interval
-from support.tables import markdown_table
+from support.tables import MEASURES, markdown_table
 
 RUNS = Path("docs/runs/claims")
 PAGE = Path("docs/claims.md")
@@ -148,14 +149,14 @@ def missing(number, reading, claim, command, what):
     return row(number, reading, claim, command, "—", f"not yet run: {what}")
 
 
-def judge_row(runs, base):
+def judge_row(runs, base, against="β = 0.1"):
     """The measured cell of a setting against the baseline: judge, MRR, ROUGE-L gains."""
     cells = []
     for measure, name, digits in (("reward", "judge", 2), ("mrr", "MRR", 3),
                                   ("rouge_l", "ROUGE-L", 3)):
         g, se = gain(runs, base, measure)
         cells.append(f"{name} {pm(g, se, digits)}")
-    return ", ".join(cells) + f" vs β = 0.1 ({len(runs)} seed{'s' * (len(runs) > 1)})"
+    return ", ".join(cells) + f" vs {against} ({len(runs)} seed{'s' * (len(runs) > 1)})"
 
 
 def claims(runs, other):
@@ -207,9 +208,9 @@ def claims(runs, other):
                         f"in the worst iteration {worst:.2%} ({len(clipping)} setting"
                         f"{'s' * (len(clipping) > 1)})",
                         "holds here" if worst < 0.05 else "does not hold here"))
-    for setting, claim, what in (
+    for setting, claim, what in (          # settings as `flags` writes them: BASE's order
             ("--clip off", "turning clipping off does not hurt", "no clipping"),
-            ("--clip off --inner-steps 1 --lam 1",
+            ("--lam 1 --clip off --inner-steps 1",
              "vanilla policy gradient (no clip, no ratio, λ = 1) does not hurt",
              "vanilla policy gradient")):
         command = f"{ppo} {setting}"
@@ -236,12 +237,7 @@ def claims(runs, other):
         else:
             rows.append(missing("3", "004 (Ahmadian et al.)", claim, command,
                                 "RAFT and RLOO 2 x 4 at the same samples"))
-    claim = "RAFT loses more reward than RLOO under reward noise"
-    noisy = {s for s in runs if "--reward-noise" in s}
-    rows.append(missing("3", "004 (Ahmadian et al.)", claim,
-                        f"{ppo} {{{rloo}, --estimator raft --batch 2 --samples-per-prompt 4}} --reward-noise {{0.5, 1}}",
-                        "the noisy runs") if len(noisy) < 2 else
-                row("3", "004", claim, "...", f"{len(noisy)} noisy runs", "see below"))
+    rows.append(noise_row(runs, ppo, rloo, "--estimator raft --batch 2 --samples-per-prompt 4"))
     # 4. DPO
     dpo = {k: v for k, v in other.items() if k.startswith("dpo")}
     claim = "DPO read as an implicit reward model is less accurate than the explicit judge"
@@ -283,16 +279,9 @@ def claims(runs, other):
         else:
             rows.append(missing("5", "004 (Stiennon, Huang et al.)", claim, command, "one seed"))
     # 6. (12) and (13) at beta = 0
-    for setting, claim in (("--beta 0 --ent-coef 0.01", "the entropy bonus (12) at β = 0 stops its copying and questions"),
-                           ("--beta 0 --ptx-coef 1", "the supervised loss (13) at β = 0 stops its copying and questions")):
-        rows.append(missing("6", "000 (the post)", claim, f"python ppo.py {setting}",
-                            "one seed, and β = 0 beside it"))
+    rows += beta0_rows(runs)
     # 7. the optimum
-    opt = other.get("optimum")
-    claim = "PPO falls short of the KL-regularised optimum, the reference times e^{r/β}"
-    rows.append(missing("7", "004 (Ziegler et al.)", claim, "python -m tools.optimum",
-                        "its samples") if not opt else
-                row("7", "004 (Ziegler et al.)", claim, "python -m tools.optimum", "see below", ""))
+    rows.append(optimum_row(base, other.get("optimum")))
     # 8. length bins
     claim = "PPO wins over SFT in every length bin"
     if base:
@@ -319,6 +308,89 @@ def claims(runs, other):
     else:
         rows.append(missing("9", "004 (Ziegler et al.)", claim, f"{ppo} --flip-sign", "one seed"))
     return rows
+
+
+def noise_row(runs, ppo, rloo, raft):
+    """Item 3's noise claim: how much each estimator's judge's reward falls when the score it
+    learns from gets Gaussian noise (--reward-noise SD), RAFT's fall against RLOO's:
+        fall_e = R(e, noisy) - R(e, clean)       paired by post within seed
+        D = fall_RAFT - fall_RLOO                (the claim: D < 0)"""
+    claim = "RAFT loses more reward than RLOO under reward noise"
+    noisy = sorted({s.split("--reward-noise ")[1].split()[0] for s in runs
+                    if "--reward-noise" in s})
+    command = f"{ppo} {{{rloo}, {raft}}} --reward-noise {{0, SD}}"
+    cells, verdicts = [], []
+    for sd in noisy:
+        pairs = [(runs.get(f"{e} --reward-noise {sd}"), runs.get(e)) for e in (raft, rloo)]
+        if not all(a and b for a, b in pairs):
+            continue
+        falls = [{seed: [x - y for x, y in zip(per_post(a[seed], "reward"),
+                                                per_post(b[seed], "reward"))]
+                  for seed in set(a) & set(b)} for a, b in pairs]
+        d, se, _ = paired_gain(*falls)
+        fall = [gain(a, b, "reward")[0] for a, b in pairs]
+        seeds = len(falls[0])
+        cells.append(f"SD {sd} (judge's SDs): RAFT {fall[0]:+.2f}, RLOO {fall[1]:+.2f}; "
+                     f"RAFT's against RLOO's {pm(d, se)}")
+        verdicts.append("holds here" if d < -2 * se else "does not hold here" if d > 2 * se
+                        else "not resolved: within 2 SE")
+    if not cells:
+        return missing("3", "004 (Ahmadian et al.)", claim, command,
+                       "RAFT and RLOO 2 x 4, each with and without the noise")
+    return row("3", "004 (Ahmadian et al.)", claim, command,
+               "change of the judge's reward with the noise: " + "; ".join(cells),
+               "; ".join(verdicts) + f" ({seeds} seed{'s' * (seeds > 1)})")
+
+
+def beta0_rows(runs):
+    """Item 6: the entropy bonus (12) and the supervised loss (13) at beta = 0, each against
+    beta = 0 alone on what beta = 0 goes wrong with: copied bigrams and questions."""
+    rows, plain = [], runs.get("--beta 0")
+    for setting, claim in (("--beta 0 --ent-coef 0.01",
+                            "the entropy bonus (12) at β = 0 stops its copying and questions"),
+                           ("--beta 0 --ptx-coef 1",
+                            "the supervised loss (13) at β = 0 stops its copying and questions")):
+        command = f"python ppo.py {setting}"
+        if not (plain and setting in runs):
+            rows.append(missing("6", "000 (the post)", claim, command,
+                                "one seed, and `--beta 0` beside it"))
+            continue
+        changes = [(name, *gain(runs[setting], plain, key))
+                   for key, name in (("copied_bigrams", "copied bigrams"),
+                                     ("question", "questions"))]
+        fell = [name for name, g, se in changes if g < -2 * se]
+        rows.append(row("6", "000 (the post)", claim, command,
+                        "; ".join(f"{name} {pm(g, se)} against β = 0 alone"
+                                  for name, g, se in changes) + "; " +
+                        judge_row(runs[setting], plain, "β = 0"),
+                        "holds here" if len(fell) == len(changes) else
+                        "in part: " + ", ".join(fell) + " fall past 2 SE" if fell else
+                        "does not hold here"))
+    return rows
+
+
+def optimum_row(base, opt):
+    """Item 7: the baseline's held-out judge's reward against best-of-n and the optimum at
+    beta = 0.1 (tools/optimum.py's SFT samples, the same posts)."""
+    claim = "PPO falls short of the KL-regularised optimum, the reference times e^{r/β}"
+    command = "python -m tools.optimum"
+    if not (base and opt):
+        return missing("7", "004 (Ziegler et al.)", claim, command,
+                       "its samples" if base else "the β = 0.1 runs")
+    kl, reward = mean_of(base, "kl"), mean_of(base, "reward")
+    star = next(r for r in opt["optimum"] if r["beta"] == 0.1)
+    bon = [r for r in opt["best_of_n"] if r["kl"] <= kl][-1]
+    below = [name for name, r in (("the optimum", star), (f"best of {bon['n']}", bon))
+             if reward < r["reward"] - 2 * r["reward_se"]]
+    return row("7", "004 (Ziegler et al.)", claim, f"{command} --samples {opt['samples']}",
+               f"β = 0.1 run: judge {reward:+.2f} at KL {kl:.2f}; the optimum at β = 0.1: "
+               f"{pm(star['reward'], star['reward_se'])} at KL {star['kl']:.2f}; best of "
+               f"{bon['n']} (KL {bon['kl']:.2f}, at most PPO's): "
+               f"{pm(bon['reward'], bon['reward_se'])}",
+               (f"holds here: below {' and '.join(below)}" if below else
+                "does not hold here: not below either past 2 SE") +
+               f" (k = {opt['samples']} samples a post: the optimum's KL is at most "
+               f"log k = {opt['kl_cap']:.2f})")
 
 
 def length_bins(runs):
@@ -415,6 +487,32 @@ def plot_lambda(runs, path):
     plt.close(fig)
 
 
+def plot_optimum(runs, opt, path):
+    """The optimum and best-of-n (tools/optimum.py) on the sweep's three panels, the judge's
+    reward, MRR and ROUGE-L against KL, with every kept run's held-out point and SFT's."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    optimum_curves(axes, opt)
+    measures = [("reward", "reward"), ("mrr", "retrieval_mrr"), ("rouge_l", "rouge_l")]
+    for ax, (measure, key), title in zip(axes, measures, MEASURES):
+        for setting, group in sorted(runs.items()):
+            ax.plot(mean_of(group, "kl"), mean_of(group, measure), "o", ms=5,
+                    label=f"ppo.py --beta 0.1 {setting}".strip() if setting else
+                    "ppo.py --beta 0.1 (baseline)")
+        ref = next(iter(next(iter(runs.values())).values()))["final"]["ref"]
+        ax.plot(0, ref[key], "*", ms=11, mfc="none", color="k", label="SFT (the reference)")
+        ax.set_xlabel("KL from SFT (nats), held-out")
+        ax.set_ylabel(title)
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    fig.suptitle(f"The runs against the optimum and best-of-n ({opt['samples']} SFT samples "
+                 "a post, the same 64 posts)")
+    fig.tight_layout()
+    save_figure(fig, path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
 # ------------------------------------------------------------------------ the page
 
 def page(runs, other):
@@ -483,6 +581,18 @@ def page(runs, other):
                        f"{d['curve'][-1]['rewards/accuracies']:.0%}", d["machine"]]
                       for name, group in sorted(dpo.items())
                       for seed, d in sorted(group.items())]), ""]
+    opt = other.get("optimum")
+    if runs and opt:
+        lines += ["## The optimum", "",
+                  f"`python -m tools.optimum --samples {opt['samples']}` on {opt['machine']}: "
+                  f"{opt['samples']} summaries of each held-out post from the SFT model, scored "
+                  "by the judge; the optimum π* ∝ π_ref e^{r/β} read off them by self-normalised "
+                  "weights (its KL E*[r]/β − log Z cannot pass log k = "
+                  f"{opt['kl_cap']:.2f} nats), and best-of-n at KL log n − (n−1)/n. Means over "
+                  "the posts; their SEs are in the file.", "",
+                  "![The judge's reward, MRR and ROUGE-L against KL: the optimum and best-of-n "
+                  "from SFT's samples as lines, each kept run as a point, SFT as a star at KL 0]"
+                  "(claims_optimum.png)", ""]
     base = runs.get("")
     if base:
         lines += ["## By length", "",
@@ -514,6 +624,8 @@ def main(argv=None):
     write_text(out, text)
     if any(s in runs for s in ("--lam 1", "--lam 0.5", "--lam 0")):
         plot_lambda(runs, out.parent / "claims_lambda.png")
+    if runs and "optimum" in other:
+        plot_optimum(runs, other["optimum"], out.parent / "claims_optimum.png")
     print(f"wrote {out}")
 
 

@@ -35,6 +35,7 @@ from gae import response_mask
 from support import cli, heldout
 from support.config import read_config
 from support.disk import write_json
+from support.kept import machine
 from support.measures import concentration, post_means, standard_error
 
 TOP = 16
@@ -154,7 +155,7 @@ def main(argv=None):
     torch.manual_seed(10_000)                   # the seed of ppo.py's reference row
     got = measure(model, tokenizer, held_out, cfg, device, draws and draws["sft"])
     out = summary(*got, cfg, source)
-    out["seconds"] = time.perf_counter() - start
+    out["seconds"], out["machine"] = time.perf_counter() - start, machine()
     print(f"{cfg.model} on {out['posts']} held-out posts ({source}), V = {out['vocabulary']:,}:"
           f" mean over each post's positions, then mean ± SE over the posts")
     print(table(out))

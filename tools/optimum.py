@@ -38,6 +38,7 @@ import reward_model as rm
 from gae import ended_with_eos, response_mask
 from support import cli, optimum
 from support.disk import write_json
+from support.kept import machine
 from support.quality import retrieval_ranks, rouge_l
 from tools.concentration import add_setup_flags, held_out_setup
 
@@ -147,7 +148,8 @@ def main(argv=None):
     write_json(Path(args.out), {
         "model": cfg.model, "reward_model": args.reward_model, "reward": cfg.reward,
         "preset": cfg.preset, "posts": len(held_out), "samples": args.samples,
-        "seed": args.seed, "kl_cap": math.log(args.samples), "seconds": seconds, **curves,
+        "seed": args.seed, "kl_cap": math.log(args.samples), "seconds": seconds,
+        "machine": machine(), **curves,
         "per_post": [{"post": i, **{key: s[key] for key in ("reward", "rouge_l",
                                                              "retrieval_rank", "length", "eos")}}
                      for i, s in enumerate(samples)]})
