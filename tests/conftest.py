@@ -75,17 +75,41 @@ def tldr_posts(data_dir):
     return loaders.load_tldr(data_dir)
 
 
-@pytest.fixture(scope="session")
-def small_data(tmp_path_factory, tldr_posts):
-    """A data folder with the first 40 TL;DR posts: enough for the tiny preset (4 held-out
-    and 4 training prompts), and fitted to a prompt budget in a fraction of a second."""
-    folder = tmp_path_factory.mktemp("small_data")
+def data_folder(folder, posts):
+    """A data folder holding `posts` as the TL;DR file, and nothing else."""
     (folder / "tldr_validation_samples").mkdir()
     with open(folder / "tldr_validation_samples" / "oai1b.csv", "w", newline="") as sink:
         writer = csv.DictWriter(sink, fieldnames=["", "query", "reference_responses"])
         writer.writeheader()
         writer.writerows({"": i, "query": post["prompt"], "reference_responses": post["summary"]}
-                         for i, post in enumerate(tldr_posts[:40]))
+                         for i, post in enumerate(posts))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory, tldr_posts):
+    """A data folder with the first 40 TL;DR posts: enough for the tiny preset (4 held-out
+    and 4 training prompts), and fitted to a prompt budget in a fraction of a second."""
+    return data_folder(tmp_path_factory.mktemp("small_data"), tldr_posts[:40])
+
+
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory, tldr_posts):
+    """A data folder with the first 320 TL;DR posts and no comparisons: sft.py's tiny preset
+    keeps out the 256 of ppo.py's evaluation reserve and trains on the rest, fitted to
+    its prompt budget in a second rather than the whole file's ten."""
+    return data_folder(tmp_path_factory.mktemp("sft_data"), tldr_posts[:320])
+
+
+@pytest.fixture(scope="session")
+def judge_data(tmp_path_factory, tldr_posts, data_dir):
+    """sft_data's 320 posts and the first 96 comparisons of the first batch: enough for
+    reward_model.py's tiny preset, read and fitted in a second or two."""
+    folder = data_folder(tmp_path_factory.mktemp("judge_data"), tldr_posts[:320])
+    first = sorted((data_dir / "summarize_from_feedback_comparisons").glob("batch*.json"))[0]
+    (folder / "summarize_from_feedback_comparisons").mkdir()
+    lines = first.read_text().splitlines(keepends=True)[:96]
+    (folder / "summarize_from_feedback_comparisons" / first.name).write_text("".join(lines))
     return folder
 
 

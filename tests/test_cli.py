@@ -117,13 +117,13 @@ CASES = [
     (f"{SFT} --model {{w}}/empty", "empty"),
     (f"{SFT} --data-dir {{w}}/empty", "empty"),
     (f"{SFT} --data-dir {{w}}/small --eval-prompts 40", "--eval-prompts"),
-    (f"{SFT} --reward-model {{w}}/rm_bad_head", "head.safetensors"),
+    (f"{SFT} --reward-model {{w}}/rm_bad_head --data-dir {{w}}/sft_data", "head.safetensors"),
 ]
 MAINS = {"ppo": ppo.main, "rm": rm.main, "sft": sft.main}
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, small_data):
+def world(tmp_path_factory, small_data, sft_data):
     """Files for the cases to trip on: a file where a folder belongs, an empty folder, bad
     data, a tiny reward model (good, and two broken copies), an earlier run folder, and one
     whose checkpoint is corrupt."""
@@ -138,6 +138,7 @@ def world(tmp_path_factory, small_data):
     (w / "bad_batch" / "summarize_from_feedback_comparisons" / "batch1.json").write_bytes(
         b"\xff\xfe not json")
     shutil.copytree(small_data, w / "small")            # 40 real posts
+    shutil.copytree(sft_data, w / "sft_data")           # 320: sft.py's tiny preset trains
     # a tiny reward model, untrained (loading is what is tested), and two broken copies
     model, _ = rm.build_reward_model(tiny_settings())
     (w / "rm").mkdir()
@@ -194,6 +195,7 @@ def test_a_bad_invocation_ends_with_one_line_that_names_it(case, names, world, c
     assert not (world / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, status, names", [
     (["ppo.py", "--preset", "tiny", "--clip", "0"], 2, "--clip"),
     (["reward_model.py", "--preset", "tiny", "--data-dir", "{w}/empty"], 1, "--data-dir"),
@@ -280,6 +282,7 @@ cli.run_script(main)
 """
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_no_half_made_folder(tmp_path):
     script = tmp_path / "stopped.py"
     script.write_text(STOPPED_SCRIPT.format(root=str(ROOT)))

@@ -134,6 +134,7 @@ def test_fork_rng_gives_back_the_mps_generator_and_the_cpus(fake_mps):
     assert fake_mps["state"].tolist() == [1, 2, 3] and torch.rand(4).equal(expected)
 
 
+@pytest.mark.slow
 def test_a_script_started_with_a_bad_device_stops_in_one_line(tmp_path):
     env = dict(os.environ, RLHF_DEVICE="tpu")
     done = subprocess.run([sys.executable, "ppo.py", "--preset", "tiny", "--out",

@@ -466,6 +466,7 @@ def test_where_triton_cannot_build_auto_takes_the_torch_path_in_one_line(monkeyp
         ppo_kernels.triton_builds.cache_clear()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(ppo_kernels.logprob.triton is None, reason="Triton is not installed")
 def test_forced_triton_that_cannot_build_is_one_line_and_exit_1():
     """RLHF_KERNELS_BACKEND=triton on the CPU with Triton's interpreter off: Triton cannot
@@ -482,6 +483,7 @@ def test_forced_triton_that_cannot_build_is_one_line_and_exit_1():
                              "computes the same")
 
 
+@pytest.mark.slow
 def test_backend_environment_variable():
     code = "import ppo_kernels; print(ppo_kernels._backend)"
     env = dict(os.environ, RLHF_KERNELS_BACKEND="torch")

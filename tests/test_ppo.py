@@ -540,6 +540,7 @@ def test_a_killed_sweep_resumes_to_the_uninterrupted_table(tiny_reward_model, sm
     assert report.differences(a, b) == []
 
 
+@pytest.mark.slow
 def test_a_failed_run_is_a_row_of_the_sweep(tiny_judge, small_data, tmp_path,
                                             monkeypatch, capsys):
     """A run that goes NaN in a sweep is recorded, shown and skipped on --resume; the
@@ -810,6 +811,7 @@ def test_value_init_reward_copies_the_reward_models_head(tiny_judge):
         assert ppo.init_value_head(head, "zero", reward)(hidden).abs().max().item() == 0.0
 
 
+@pytest.mark.slow
 def test_rloo_and_reinforce_resume_to_the_same_numbers(tiny_judge, data_dir, tiny, tokenizer,
                                                        tmp_path):
     """RLOO with k = 2 and a REINFORCE run, each stopped after one iteration and resumed:

@@ -748,7 +748,7 @@ def test_rm_relevance_reruns_a_saved_judges_test_and_repeats_its_numbers(tiny_re
 
 
 def test_a_nan_loss_stops_the_judge_before_its_step_in_one_line_and_saves_nothing(
-        tmp_path, monkeypatch, data_dir):
+        tmp_path, monkeypatch, judge_data):
     """A NaN loss at step 3: the script stops with one line naming it, before AdamW steps on
     it (the weights stay finite); no folder is written."""
     real_loss, real_optimizer, calls, made = rm.bt_loss, rm.make_optimizer, [], []
@@ -761,7 +761,8 @@ def test_a_nan_loss_stops_the_judge_before_its_step_in_one_line_and_saves_nothin
     monkeypatch.setattr(rm, "make_optimizer",
                         lambda *args: made.append(real_optimizer(*args)) or made[0])
     with pytest.raises(SystemExit) as stop:
-        cli.run_script(rm.main, ["--preset", "tiny", "--out", str(tmp_path / "judge")])
+        cli.run_script(rm.main, ["--preset", "tiny", "--out", str(tmp_path / "judge"),
+                                 "--data-dir", str(judge_data)])
     assert str(stop.value.code).startswith("reward_model.py: error: step 3: the loss is NaN")
     assert "\n" not in str(stop.value.code) and len(calls) == 3
     assert all(torch.isfinite(p).all() for group in made[0].param_groups for p in group["params"])

@@ -107,6 +107,7 @@ def test_a_few_steps_lower_the_loss(tiny, tokenizer, tldr_posts):
     assert curve[1]["heldout_loss"] < curve[0]["heldout_loss"] - 2     # nats per summary
 
 
+@pytest.mark.slow
 def test_no_evaluation_or_compared_post_is_trained_on(tokenizer, tldr_posts, data_dir):
     cfg = sft.Config(**sft.PRESETS["tiny"])
     comparisons = loaders.load_comparisons(data_dir)
@@ -304,7 +305,7 @@ def test_a_judge_is_read_on_the_sft_models_samples(tiny_sft, tiny_reward_model):
     assert 0 <= float(row[-7]) <= 1
 
 
-def test_a_nan_loss_stops_sft_in_one_line_and_saves_nothing(tmp_path, monkeypatch, data_dir):
+def test_a_nan_loss_stops_sft_in_one_line_and_saves_nothing(tmp_path, monkeypatch, sft_data):
     """A non-finite loss at step 2 (as a broken GPU kernel would give) ends the script with
     one line naming the step, before the optimizer steps on it; no folder is written."""
     real, calls = sft.sft_loss, []
@@ -316,14 +317,15 @@ def test_a_nan_loss_stops_sft_in_one_line_and_saves_nothing(tmp_path, monkeypatc
     out = tmp_path / "sft"
     with pytest.raises(SystemExit) as stop:
         cli.run_script(sft.main, ["--preset", "tiny", "--out", str(out),
-                                  "--reward-model", str(tmp_path / "no_judge")])
+                                  "--reward-model", str(tmp_path / "no_judge"),
+                                  "--data-dir", str(sft_data)])
     assert str(stop.value.code).startswith("sft.py: error: step 2: the loss is NaN or inf")
     assert "\n" not in str(stop.value.code) and len(calls) == 2
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_nan_gradient_stops_sft_before_its_step_and_saves_nothing(tmp_path, monkeypatch,
-                                                                      data_dir):
+                                                                      sft_data):
     """The loss finite but one gradient value NaN at step 2: one line naming the gradient,
     before AdamW steps on it (the adapter stays finite); no folder is written."""
     real, adapters = sft.sft_loss, []
@@ -337,7 +339,8 @@ def test_a_nan_gradient_stops_sft_before_its_step_and_saves_nothing(tmp_path, mo
     monkeypatch.setattr(sft, "sft_loss", sft_loss)
     with pytest.raises(SystemExit) as stop:
         cli.run_script(sft.main, ["--preset", "tiny", "--out", str(tmp_path / "sft"),
-                                  "--reward-model", str(tmp_path / "no_judge")])
+                                  "--reward-model", str(tmp_path / "no_judge"),
+                                  "--data-dir", str(sft_data)])
     total = sum(p.numel() for p in adapters[-1])
     assert str(stop.value.code).startswith(
         f"sft.py: error: step 2: the gradient is NaN or inf in 1 of {total} values")
