@@ -207,7 +207,7 @@ def fake_run(seed, rewards, config=None, ranks=None, **per_post):
              "human_samples": [{"post": i, "length": 10} for i in range(n)],
              "ref": {"reward": 0.0, "retrieval_mrr": 0.5, "rouge_l": 0.1, "eos_fraction": 0.8,
                      "copied_bigrams": 0.13}}
-    rows = [{"iteration": i, "reward": 0.1 * i, "clipfrac": 0.01, "kl": 1.0,
+    rows = [{"iteration": i, "reward": 0.1 * i, "clipfrac": 0.01, "kl": 1.0, "beta": 0.1,
              "ratio_after_min": 0.9, "ratio_after_max": 1.1} for i in range(3)]
     return {"config": {"estimator": "gae", "beta": 0.1, "seed": seed, "batch": 8,
                        **(config or {})}, "iterations": rows, "final": final,
@@ -255,6 +255,7 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
         "raft_noise": fake_run(0, [0.0] * 4, {**raft, "reward_noise": 1.0}),
         "rloo": fake_run(0, [1.0] * 4, rloo),
         "rloo_noise": fake_run(0, [0.5, 1.0, 0.5, 1.0], {**rloo, "reward_noise": 1.0}),
+        "target": fake_run(0, [0.25] * 4, {"target_kl": 3.0}),
         "beta0": fake_run(0, [2.0] * 4, beta0, copied_bigrams=[0.5] * 4,
                           question=[True, True, False, False]),
         "ent": fake_run(0, [2.0] * 4, {**beta0, "ent_coef": 0.01},
@@ -286,6 +287,10 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     assert "holds here: below the optimum and best of 4" in line("KL-regularised")
     assert "log k = 1.39" in line("KL-regularised")
     assert (tmp_path / "claims_optimum.png").stat().st_size > 1000
+    # the controller at 3 nats: -0.25 against the baseline on every post
+    assert "judge -0.25 ± 0.00" in line("target 3 nats") and "below" in line("target 3 nats")
+    assert "not yet run" in line("target 1 nats")
+    assert (tmp_path / "claims_beta.png").stat().st_size > 1000
 
 
 def test_a_kept_summary_keeps_numbers_and_words_not_texts():

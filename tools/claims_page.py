@@ -31,6 +31,7 @@ BASE = {"beta": 0.1, "estimator": "gae", "batch": 8, "samples_per_prompt": 1, "l
         "target_kl": None, "ent_coef": 0.0, "ptx_coef": 0.0, "flip_sign": False,
         "reward": "content", "kl_estimator": "k1"}
 EDGES = (0.75, 1.25)                  # length bins: tools/length_bins.py says why
+TARGETS = (1, 3)      # --target-kl, nats a summary: below and at β = 0.1's own 2.9 at the end
 
 
 # ------------------------------------------------------------------------ the runs' files
@@ -266,7 +267,8 @@ def claims(runs, other):
                            ("--missing-eos-penalty -1", "-1 for a summary with no EOS"),
                            ("--value-clip 0.2 --vf-coef 0.1", "the value loss clipped at 0.2, weight 0.1"),
                            ("--gamma 1", "γ = 1"),
-                           ("--target-kl 3", "the adaptive KL controller (target 3 nats)")):
+                           *((f"--target-kl {t}", f"the adaptive KL controller, target {t} nats")
+                             for t in TARGETS)):
         command = f"{ppo} {setting}"
         if base and setting in runs:
             measure = "words" if "whiten" in setting else "reward"
@@ -487,6 +489,31 @@ def plot_lambda(runs, path):
     plt.close(fig)
 
 
+def plot_beta(runs, path):
+    """β by iteration of the runs with the adaptive KL controller (--target-kl), beside the
+    KL each iteration measured: a panel each."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for setting, group in sorted(runs.items()):
+        if "--target-kl" not in setting:
+            continue
+        for seed, run in sorted(group.items()):
+            rows = run["iterations"]
+            steps = [r["iteration"] for r in rows]
+            line, = left.plot(steps, [r["beta"] for r in rows], label=f"{setting}, seed {seed}")
+            right.plot(steps, [r["kl"] for r in rows], color=line.get_color())
+            right.axhline(run["config"]["target_kl"], color=line.get_color(), ls=":", lw=1)
+    left.set(xlabel="iteration", ylabel="β", title="β, set by the controller")
+    right.set(xlabel="iteration", ylabel="KL a summary (nats), training batch",
+              title="KL, and its target (dotted)")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
 def plot_optimum(runs, opt, path):
     """The optimum and best-of-n (tools/optimum.py) on the sweep's three panels, the judge's
     reward, MRR and ROUGE-L against KL, with every kept run's held-out point and SFT's."""
@@ -581,6 +608,10 @@ def page(runs, other):
                        f"{d['curve'][-1]['rewards/accuracies']:.0%}", d["machine"]]
                       for name, group in sorted(dpo.items())
                       for seed, d in sorted(group.items())]), ""]
+    if any("--target-kl" in s for s in runs):
+        lines += ["## The adaptive KL controller", "",
+                  "![β by iteration for each --target-kl run, and the KL of each iteration's "
+                  "batch against its target](claims_beta.png)", ""]
     opt = other.get("optimum")
     if runs and opt:
         lines += ["## The optimum", "",
@@ -626,6 +657,8 @@ def main(argv=None):
         plot_lambda(runs, out.parent / "claims_lambda.png")
     if runs and "optimum" in other:
         plot_optimum(runs, other["optimum"], out.parent / "claims_optimum.png")
+    if any("--target-kl" in s for s in runs):
+        plot_beta(runs, out.parent / "claims_beta.png")
     print(f"wrote {out}")
 
 
