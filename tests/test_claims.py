@@ -196,7 +196,7 @@ def fake_run(seed, rewards, config=None, ranks=None, **per_post):
     """A kept summary as support/kept.summarize_run writes it, on len(rewards) posts;
     per_post: more of each sample's fields, a list each (copied_bigrams=[...], ...)."""
     n = len(rewards)
-    samples = [{"post": i, "reward": r, "ref_reward": 0.0, "length": 10, "words": 8,
+    samples = [{"post": i, "reward": r, "ref_reward": 0.0, "length": 10, "eos": True, "words": 8,
                 "retrieval_rank": (ranks or [1] * n)[i], "rouge_l": 0.2, "kl": 1.0,
                 **{key: values[i] for key, values in per_post.items()}}
                for i, r in enumerate(rewards)]

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from support import cli
 from support.disk import save_figure, write_text
-from support.measures import length_bin, paired_gain, win_rate
+from support.measures import paired_gain
 from support.report import optimum_curves
-from support.rm_report import wilson_interval
+from tools import length_bins
 from support.tables import MEASURES, markdown_table
 
 RUNS = Path("docs/runs/claims")
@@ -30,7 +30,6 @@ BASE = {"beta": 0.1, "estimator": "gae", "batch": 8, "samples_per_prompt": 1, "l
         "value_init": "post", "missing_eos_penalty": None, "value_clip": None, "vf_coef": 1.0,
         "target_kl": None, "ent_coef": 0.0, "ptx_coef": 0.0, "flip_sign": False,
         "reward": "content", "kl_estimator": "k1"}
-EDGES = (0.75, 1.25)                  # length bins: tools/length_bins.py says why
 TARGETS = (1, 3)      # --target-kl, nats a summary: below and at β = 0.1's own 2.9 at the end
 
 
@@ -287,13 +286,12 @@ def claims(runs, other):
     # 8. length bins
     claim = "PPO wins over SFT in every length bin"
     if base:
-        bins = length_bins(base)
-        lows = [b["low"] for b in bins if b["n"]]
-        highs = [b["high"] for b in bins if b["n"]]
+        bins = [b for b in by_length(base) if b["posts"]]
         rows.append(row("8", "004 (Stiennon et al.)", claim, "python -m tools.length_bins RUN",
-                        "; ".join(f"{b['name']}: {b['win']:.0%} of {b['n']}" for b in bins),
-                        "holds here" if all(low > 0.5 for low in lows) else
-                        "does not hold here" if any(h < 0.5 for h in highs) else
+                        "; ".join(f"length ratio {b['bin']}: {b['win_rate']:.0%} of "
+                                  f"{b['posts']}" for b in bins),
+                        "holds here" if all(b["wilson"][0] > 0.5 for b in bins) else
+                        "does not hold here" if any(b["wilson"][1] < 0.5 for b in bins) else
                         "not resolved: a bin's Wilson interval holds 50%"))
     else:
         rows.append(missing("8", "004 (Stiennon et al.)", claim, "python -m tools.length_bins RUN",
@@ -395,24 +393,11 @@ def optimum_row(base, opt):
                f"log k = {opt['kl_cap']:.2f})")
 
 
-def length_bins(runs):
-    """The judge's win rate over SFT by the summary's length against the person's TL;DR,
-    pooled over seeds: [{"name", "n", "win", "low", "high"}]."""
-    pooled = {i: ([], []) for i in range(len(EDGES) + 1)}
-    for run in runs.values():
-        people = run["final"]["human_samples"]
-        for s, h in zip(run["final"]["samples"], people):
-            b = length_bin(s["length"] / max(h["length"], 1), EDGES)
-            pooled[b][0].append(s["reward"])
-            pooled[b][1].append(s["ref_reward"])
-    names = [f"< {EDGES[0]}", *(f"{a}-{b}" for a, b in zip(EDGES, EDGES[1:])), f">= {EDGES[-1]}"]
-    out = []
-    for b, (r, q) in pooled.items():
-        w = win_rate(r, q) if r else math.nan
-        low, high = wilson_interval(w, len(r)) if r else (math.nan, math.nan)
-        out.append({"name": f"length ratio {names[b]}", "n": len(r), "win": w, "low": low,
-                    "high": high})
-    return out
+def by_length(runs):
+    """tools.length_bins' rows (a bin each: posts, win rate over SFT and its Wilson interval,
+    MRR and SFT's) for one setting's runs ({seed: summary}), seeds pooled."""
+    (pairs,) = length_bins.pool(list(runs.values())).values()
+    return length_bins.bin_rows(pairs)
 
 
 # ------------------------------------------------------------------------ the settings' table
@@ -627,14 +612,15 @@ def page(runs, other):
     base = runs.get("")
     if base:
         lines += ["## By length", "",
-                  "The β = 0.1 runs' held-out summaries binned by their length over the "
-                  "person's TL;DR (tokens; cuts at 0.75 and 1.25, `tools/length_bins.py` says "
-                  "why): the judge's win rate over SFT's summary of the same post (a tie "
-                  "counts one half) with its Wilson 95% interval.", "",
-                  markdown_table(["bin", "posts", "win rate over SFT", "Wilson 95%"], [
-                      [b["name"], str(b["n"]), f"{b['win']:.0%}" if b["n"] else "—",
-                       f"{b['low']:.0%} to {b['high']:.0%}" if b["n"] else "—"]
-                      for b in length_bins(base)]), ""]
+                  "Each setting's held-out summaries binned by their length over the person's "
+                  "TL;DR (tokens, EOS not counted; cuts at 0.75 and 1.25, `tools/length_bins.py` "
+                  "says why): the judge's win rate over SFT's summary of the same post (a tie "
+                  "counts one half) with its Wilson 95% interval, and MRR beside SFT's on the "
+                  "same posts.", "",
+                  length_bins.markdown({f"`{setting}`" if setting else "β = 0.1 (baseline)":
+                                        by_length(group) for setting, group in
+                                        sorted(runs.items(), key=lambda x: (x[0] != "", x[0]))}),
+                  ""]
     return "\n".join(lines)
 
 
