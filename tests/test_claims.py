@@ -262,11 +262,11 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
                         copied_bigrams=[0.1, 0.2, 0.1, 0.2], question=[False] * 4),
         "ptx": fake_run(0, [2.0] * 4, {**beta0, "ptx_coef": 1.0},
                         copied_bigrams=[0.5] * 4, question=[True, True, False, False]),
-        "optimum": {"samples": 4, "kl_cap": math.log(4), "machine": "a test CPU",
+        "optimum": {"samples": 4, "posts": 4, "kl_cap": math.log(4), "machine": "a test CPU",
                     "optimum": [{"beta": 0.1, "kl": 1.2, "reward": 1.0, "reward_se": 0.1}],
-                    "best_of_n": [{"n": n, "kl": math.log(n) - (n - 1) / n,
-                                   "reward": 0.2 * n - 0.1, "reward_se": 0.05}
-                                  for n in range(1, 5)]}}
+                    "best_of_n": [{"n": n, "kl": math.log(n) - (n - 1) / n} for n in (1, 2, 3, 4)],
+                    "per_post": [{"post": i, "reward": [0.0, 0.0, 0.0, 1.0 + 0.1 * i]}
+                                 for i in range(4)]}}
     for name, data in files.items():
         (runs / f"{name}.json").write_text(json.dumps(data))
     out = tmp_path / "claims.md"
@@ -281,10 +281,15 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     assert "copied bigrams -0.35 ± 0.03 against β = 0 alone" in line("entropy bonus")
     assert "in part: copied bigrams" in line("entropy bonus")
     assert "does not hold here" in line("supervised loss (13)")
-    # PPO: +0.50 at KL 1.00; best of n with KL <= 1: n = 4 (KL 0.64), 0.70 ± 0.05; the
-    # optimum 1.00 ± 0.10: below both by more than 2 SE
-    assert "best of 4 (KL 0.64, at most PPO's): +0.70 ± 0.05" in line("KL-regularised")
-    assert "holds here: below the optimum and best of 4" in line("KL-regularised")
+    # PPO: +0.50 on every post at KL 1.00. The optimum at β = 0.1 of (0, 0, 0, 1 + 0.1 i):
+    # weight e^{10 r} / sum; best of n with KL <= 1: n = 4 (KL 0.64), the top score 1 + 0.1 i,
+    # mean 1.15: PPO against it -0.65 ± 0.06 (SE over posts of 0.1 i: 0.129 / 2)
+    w = [math.exp(10 * (1 + 0.1 * i)) / (3 + math.exp(10 * (1 + 0.1 * i))) for i in range(4)]
+    star = sum(wi * (1 + 0.1 * i) for i, wi in enumerate(w)) / 4
+    assert f"the optimum at β = 0.1 {star:+.2f}, PPO against it {0.5 - star:+.2f}" in line(
+        "KL-regularised")
+    assert "best of 4 (KL 0.64) +1.15, PPO against it -0.65 ± 0.06" in line("KL-regularised")
+    assert "holds here: below the optimum at β = 0.1 and best of 4" in line("KL-regularised")
     assert "log k = 1.39" in line("KL-regularised")
     assert (tmp_path / "claims_optimum.png").stat().st_size > 1000
     # the controller at 3 nats: -0.25 against the baseline on every post

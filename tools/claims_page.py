@@ -17,6 +17,7 @@ from pathlib import Path
 from support import cli
 from support.disk import save_figure, write_text
 from support.measures import paired_gain
+from support.optimum import best_of_n_weights, by_score, optimum_point
 from support.report import optimum_curves
 from tools import length_bins
 from support.tables import MEASURES, markdown_table
@@ -100,9 +101,9 @@ def over_sft(runs, measure):
     return g, se
 
 
-def mean_of(runs, measure):
-    """The mean over seeds of each run's mean over posts."""
-    values = [sum(per_post(r, measure)) / len(r["final"]["samples"]) for r in runs.values()]
+def mean_of(runs, measure, posts=None):
+    """The mean over seeds of each run's mean over posts (its first `posts`, or all)."""
+    values = [sum(x := per_post(r, measure)[:posts]) / len(x) for r in runs.values()]
     return sum(values) / len(values)
 
 
@@ -370,27 +371,36 @@ def beta0_rows(runs):
 
 
 def optimum_row(base, opt):
-    """Item 7: the baseline's held-out judge's reward against best-of-n and the optimum at
-    beta = 0.1 (tools/optimum.py's SFT samples, the same posts)."""
+    """Item 7: the baseline's held-out judge's reward against the optimum at beta = 0.1 and
+    best-of-n at the largest n whose KL is at most the run's, on the same posts (the
+    optimum's: ppo.py's first), paired by post: d_i = R_PPO,i - R_*,i."""
     claim = "PPO falls short of the KL-regularised optimum, the reference times e^{r/β}"
     command = "python -m tools.optimum"
     if not (base and opt):
         return missing("7", "004 (Ziegler et al.)", claim, command,
                        "its samples" if base else "the β = 0.1 runs")
-    kl, reward = mean_of(base, "kl"), mean_of(base, "reward")
+    n, k = opt["posts"], opt["samples"]
+    kl, reward = mean_of(base, "kl", n), mean_of(base, "reward", n)
+    scores = [post["reward"] for post in opt["per_post"]]                  # n lists of k
+    best = [r for r in opt["best_of_n"] if r["kl"] <= kl][-1]
+    points = {"the optimum at β = 0.1": [optimum_point(r, 0.1)[0] for r in scores],
+              f"best of {best['n']} (KL {best['kl']:.2f})":
+                  [(best_of_n_weights(k, best["n"]) * by_score(r, r)).sum().item()
+                   for r in scores]}
+    cells, below = [], []
+    for name, values in points.items():
+        g, se, _ = paired_gain({s: per_post(r, "reward")[:n] for s, r in base.items()},
+                               {s: values for s in base})
+        cells.append(f"{name} {sum(values) / n:+.2f}, PPO against it {pm(g, se)}")
+        below += [name.split(" (")[0]] * (g < -2 * se)
     star = next(r for r in opt["optimum"] if r["beta"] == 0.1)
-    bon = [r for r in opt["best_of_n"] if r["kl"] <= kl][-1]
-    below = [name for name, r in (("the optimum", star), (f"best of {bon['n']}", bon))
-             if reward < r["reward"] - 2 * r["reward_se"]]
-    return row("7", "004 (Ziegler et al.)", claim, f"{command} --samples {opt['samples']}",
-               f"β = 0.1 run: judge {reward:+.2f} at KL {kl:.2f}; the optimum at β = 0.1: "
-               f"{pm(star['reward'], star['reward_se'])} at KL {star['kl']:.2f}; best of "
-               f"{bon['n']} (KL {bon['kl']:.2f}, at most PPO's): "
-               f"{pm(bon['reward'], bon['reward_se'])}",
+    return row("7", "004 (Ziegler et al.)", claim, f"{command} --samples {k}",
+               f"on the first {n} held-out posts: β = 0.1 run: judge {reward:+.2f} at KL "
+               f"{kl:.2f}; the optimum's KL {star['kl']:.2f}; " + "; ".join(cells),
                (f"holds here: below {' and '.join(below)}" if below else
                 "does not hold here: not below either past 2 SE") +
-               f" (k = {opt['samples']} samples a post: the optimum's KL is at most "
-               f"log k = {opt['kl_cap']:.2f})")
+               f" (k = {k} samples a post: the optimum's KL is at most log k = "
+               f"{opt['kl_cap']:.2f})")
 
 
 def by_length(runs):
@@ -501,25 +511,29 @@ def plot_beta(runs, path):
 
 def plot_optimum(runs, opt, path):
     """The optimum and best-of-n (tools/optimum.py) on the sweep's three panels, the judge's
-    reward, MRR and ROUGE-L against KL, with every kept run's held-out point and SFT's."""
+    reward, MRR and ROUGE-L against KL, with every kept run's held-out point and SFT's on the
+    optimum's posts (ppo.py's first; MRR ranks among those the run was evaluated on)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     optimum_curves(axes, opt)
+    n = opt["posts"]
     measures = [("reward", "reward"), ("mrr", "retrieval_mrr"), ("rouge_l", "rouge_l")]
     for ax, (measure, key), title in zip(axes, measures, MEASURES):
         for setting, group in sorted(runs.items()):
-            ax.plot(mean_of(group, "kl"), mean_of(group, measure), "o", ms=5,
+            ax.plot(mean_of(group, "kl", n), mean_of(group, measure, n), "o", ms=5,
                     label=f"ppo.py --beta 0.1 {setting}".strip() if setting else
                     "ppo.py --beta 0.1 (baseline)")
-        ref = next(iter(next(iter(runs.values())).values()))["final"]["ref"]
-        ax.plot(0, ref[key], "*", ms=11, mfc="none", color="k", label="SFT (the reference)")
+        one = next(iter(next(iter(runs.values())).values()))
+        sft = sft_per_post(one, measure)[:n]
+        ax.plot(0, sum(sft) / len(sft), "*", ms=11, mfc="none", color="k",
+                label="SFT (the reference)")
         ax.set_xlabel("KL from SFT (nats), held-out")
         ax.set_ylabel(title)
     axes[-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
-    fig.suptitle(f"The runs against the optimum and best-of-n ({opt['samples']} SFT samples "
-                 "a post, the same 64 posts)")
+    fig.suptitle(f"The runs against the optimum and best-of-n: {opt['samples']} SFT samples "
+                 f"of each of the first {n} held-out posts, and the runs on the same posts")
     fig.tight_layout()
     save_figure(fig, path, dpi=100, bbox_inches="tight")
     plt.close(fig)
