@@ -387,18 +387,20 @@ def optimum_row(base, opt):
               f"best of {best['n']} (KL {best['kl']:.2f})":
                   [(best_of_n_weights(k, best["n"]) * by_score(r, r)).sum().item()
                    for r in scores]}
-    cells, below = [], []
+    cells, below, above = [], [], 0
     for name, values in points.items():
         g, se, _ = paired_gain({s: per_post(r, "reward")[:n] for s, r in base.items()},
                                {s: values for s in base})
         cells.append(f"{name} {sum(values) / n:+.2f}, PPO against it {pm(g, se)}")
         below += [name.split(" (")[0]] * (g < -2 * se)
+        above += g > 2 * se
     star = next(r for r in opt["optimum"] if r["beta"] == 0.1)
     return row("7", "004 (Ziegler et al.)", claim, f"{command} --samples {k}",
                f"on the first {n} held-out posts: β = 0.1 run: judge {reward:+.2f} at KL "
                f"{kl:.2f}; the optimum's KL {star['kl']:.2f}; " + "; ".join(cells),
                (f"holds here: below {' and '.join(below)}" if below else
-                "does not hold here: not below either past 2 SE") +
+                "does not hold here: above both" if above == len(points) else
+                "not resolved: within 2 SE") +
                f" (k = {k} samples a post: the optimum's KL is at most log k = "
                f"{opt['kl_cap']:.2f})")
 
