@@ -395,7 +395,7 @@ def optimum_row(base, opt):
         below += [name.split(" (")[0]] * (g < -2 * se)
         above += g > 2 * se
     star = next(r for r in opt["optimum"] if r["beta"] == 0.1)
-    return row("7", "004 (Ziegler et al.)", claim, f"{command} --samples {k}",
+    return row("7", "004 (Ziegler et al.)", claim, f"{command} --samples {k} --eval-prompts {n}",
                f"on the first {n} held-out posts: β = 0.1 run: judge {reward:+.2f} at KL "
                f"{kl:.2f}; the optimum's KL {star['kl']:.2f}; " + "; ".join(cells),
                (f"holds here: below {' and '.join(below)}" if below else
@@ -615,13 +615,18 @@ def page(runs, other):
                   "batch against its target](claims_beta.png)", ""]
     opt = other.get("optimum")
     if runs and opt:
+        n = opt["posts"]
         lines += ["## The optimum", "",
-                  f"`python -m tools.optimum --samples {opt['samples']}` on {opt['machine']}: "
-                  f"{opt['samples']} summaries of each held-out post from the SFT model, scored "
-                  "by the judge; the optimum π* ∝ π_ref e^{r/β} read off them by self-normalised "
-                  "weights (its KL E*[r]/β − log Z cannot pass log k = "
-                  f"{opt['kl_cap']:.2f} nats), and best-of-n at KL log n − (n−1)/n. Means over "
-                  "the posts; their SEs are in the file.", "",
+                  f"`python -m tools.optimum --samples {opt['samples']} --eval-prompts {n}` on "
+                  f"{opt['machine']}: {opt['samples']} summaries of each of ppo.py's first {n} "
+                  "held-out posts from the SFT model, scored by the judge; the optimum "
+                  "π* ∝ π_ref e^{r/β} read off them by self-normalised weights (its KL "
+                  f"E*[r]/β − log Z cannot pass log k = {opt['kl_cap']:.2f} nats), and "
+                  "best-of-n at KL log n − (n−1)/n. Means over the posts (their SEs are in the "
+                  "file); the runs' points are their means over the same posts."
+                  + (f" MRR ranks a summary's post among the {n} posts for the curves and "
+                     "among all 64 for the runs, so that panel's curves and points are not on "
+                     "one scale." if n < 64 else ""), "",
                   "![The judge's reward, MRR and ROUGE-L against KL: the optimum and best-of-n "
                   "from SFT's samples as lines, each kept run as a point, SFT as a star at KL 0]"
                   "(claims_optimum.png)", ""]
