@@ -198,7 +198,7 @@ def fake_run(seed, rewards, config=None, ranks=None, **per_post):
     n = len(rewards)
     samples = [{"post": i, "reward": r, "ref_reward": 0.0, "length": 10, "eos": True, "words": 8,
                 "retrieval_rank": (ranks or [1] * n)[i], "rouge_l": 0.2, "kl": 1.0,
-                **{key: values[i] for key, values in per_post.items()}}
+                "copied_bigrams": 0.1, **{key: values[i] for key, values in per_post.items()}}
                for i, r in enumerate(rewards)]
     ref = [{"post": i, "reward": 0.0, "length": 10, "words": 9, "retrieval_rank": 2,
             "rouge_l": 0.1} for i in range(n)]
@@ -251,7 +251,7 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     beta0 = {"beta": 0.0}
     files = {
         "base": fake_run(0, [0.5] * 4),
-        "raft": fake_run(0, [1.0] * 4, raft),
+        "raft": fake_run(0, [1.0] * 4, raft, copied_bigrams=[0.9] * 4),
         "raft_noise": fake_run(0, [0.0] * 4, {**raft, "reward_noise": 1.0}),
         "rloo": fake_run(0, [1.0] * 4, rloo),
         "rloo_noise": fake_run(0, [0.5, 1.0, 0.5, 1.0], {**rloo, "reward_noise": 1.0}),
@@ -277,6 +277,9 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     # -0.75, SE sd / 2 = 0.144: RAFT loses more, past 2 SE
     assert ("RAFT -1.00, RLOO -0.25; RAFT's against RLOO's -0.75 ± 0.14" in
             line("under reward noise") and "holds here (1 seed)" in line("under reward noise"))
+    # RAFT k = 4 against RLOO: the same judge's reward, 90% of bigrams copied against 10%
+    assert "bigrams copied from the post 90% against RLOO's 10%" in line("RAFT at k = 4")
+    assert "not resolved: within 2 SE: RAFT's summaries copy the post" in line("RAFT at k = 4")
     # entropy bonus: copied -0.35 ± 0.03 (below), questions -0.50 ± 0.29 (within 2 SE)
     assert "copied bigrams -0.35 ± 0.03 against β = 0 alone" in line("entropy bonus")
     assert "in part: copied bigrams" in line("entropy bonus")

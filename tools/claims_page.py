@@ -231,10 +231,18 @@ def claims(runs, other):
         command = f"{ppo} {raft}"
         if raft in runs and rloo in runs:
             g, se = gain(runs[raft], runs[rloo], "reward")
+            copied = [mean_of(runs[s], "copied_bigrams") for s in (raft, rloo)]
+            kl = [mean_of(runs[s], "kl") for s in (raft, rloo)]
             rows.append(row("3", "004 (Ahmadian et al.)", claim, command,
-                            f"judge {pm(g, se)} against RLOO",
-                            "holds here" if g < -2 * se else
-                            "does not hold here" if g > 2 * se else "not resolved: within 2 SE"))
+                            f"judge {pm(g, se)} against RLOO; " + judge_row(
+                                runs[raft], runs[rloo], "RLOO").split(", ", 1)[1] +
+                            f"; bigrams copied from the post {copied[0]:.0%} against RLOO's "
+                            f"{copied[1]:.0%}, KL {kl[0]:.1f} against {kl[1]:.1f}",
+                            ("holds here" if g < -2 * se else
+                             "does not hold here on the judge" if g > 2 * se else
+                             "not resolved: within 2 SE") +
+                            (": RAFT's summaries copy the post" if copied[0] > copied[1] + 0.2
+                             else "")))
         else:
             rows.append(missing("3", "004 (Ahmadian et al.)", claim, command,
                                 "RAFT and RLOO 2 x 4 at the same samples"))
