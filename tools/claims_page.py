@@ -617,6 +617,20 @@ def page(runs, other):
                        f"{d['curve'][-1]['rewards/accuracies']:.0%}", d["machine"]]
                       for name, group in sorted(dpo.items())
                       for seed, d in sorted(group.items())]), ""]
+    noisy = sorted({s.split("--reward-noise ")[1].split()[0] for s in runs
+                    if "--reward-noise" in s})
+    if noisy:
+        one = next(iter(next(iter(runs.values())).values()))
+        refs = [s["reward"] for s in one["final"]["ref_samples"]]
+        mean = sum(refs) / len(refs)
+        unit = math.sqrt(sum((x - mean) ** 2 for x in refs) / (len(refs) - 1))
+        lines += ["## Reward noise", "",
+                  f"`--reward-noise SD` adds Gaussian noise of SD × {unit:.2f} to every score "
+                  f"a run learns from: {unit:.2f} is the SD of the judge's scores over SFT's "
+                  f"{len(refs)} held-out summaries (`sweep.judge_sd`), so SD 1 makes a score's "
+                  "noise as large as the spread of the judge's scores across summaries. The papers' SD 3 and 5 are on their own reward model's "
+                  "scale and do not carry over. Run here: SD " + ", ".join(noisy) + ". The "
+                  "judge's reward on the page is the noiseless judge on held-out posts.", ""]
     if any("--target-kl" in s for s in runs):
         lines += ["## The adaptive KL controller", "",
                   "![β by iteration for each --target-kl run, and the KL of each iteration's "
