@@ -285,8 +285,11 @@ def claims(runs, other):
             rows.append(row("5", "004 (Stiennon, Huang et al.)", claim, command,
                             judge_row(runs[setting], base) +
                             (f"; words {pm(g, se, 1)}" if measure == "words" else ""),
-                            f"{versus(g, se)} the baseline on "
-                            f"{'words' if measure == 'words' else 'the judge'}"))
+                            ("holds here" if g < -2 * se else "does not hold here: longer"
+                             if g > 2 * se else "not resolved: words within 2 SE of the "
+                             "baseline's") if measure == "words" else
+                            f"the judge {versus(g, se).replace('2 SE', '2 SE of')} the "
+                            "baseline"))
         else:
             rows.append(missing("5", "004 (Stiennon, Huang et al.)", claim, command, "one seed"))
     # 6. (12) and (13) at beta = 0
