@@ -535,15 +535,17 @@ def plot_optimum(runs, opt, path):
     n = opt["posts"]
     measures = [("reward", "reward"), ("mrr", "retrieval_mrr"), ("rouge_l", "rouge_l")]
     for ax, (measure, key), title in zip(axes, measures, MEASURES):
-        for setting, group in sorted(runs.items()):
-            ax.plot(mean_of(group, "kl", n), mean_of(group, measure, n), "o", ms=5,
+        colors = [plt.cm.tab20(i) for i in range(20) if i not in (14, 15)]  # no greys
+        for color, (setting, group) in zip(colors, sorted(runs.items())):
+            ax.plot(mean_of(group, "kl", n), mean_of(group, measure, n), "o", ms=5, color=color,
                     label=f"ppo.py --beta 0.1 {setting}".strip() if setting else
                     "ppo.py --beta 0.1 (baseline)")
         one = next(iter(next(iter(runs.values())).values()))
         sft = sft_per_post(one, measure)[:n]
         ax.plot(0, sum(sft) / len(sft), "*", ms=11, mfc="none", color="k",
                 label="SFT (the reference)")
-        ax.set_xlabel("KL from SFT (nats), held-out")
+        ax.set_xscale("symlog", linthresh=1)            # RAFT's runs sit at KL 15-20
+        ax.set_xlabel("KL from SFT (nats), held-out; symlog")
         ax.set_ylabel(title)
     axes[-1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.suptitle(f"The runs against the optimum and best-of-n: {opt['samples']} SFT samples "
