@@ -203,6 +203,7 @@ def fake_run(seed, rewards, config=None, ranks=None, **per_post):
     ref = [{"post": i, "reward": 0.0, "length": 10, "words": 9, "retrieval_rank": 2,
             "rouge_l": 0.1} for i in range(n)]
     final = {"reward": sum(rewards) / n, "eos_fraction": 1.0, "copied_bigrams": 0.1,
+             "fluency": -50.0,
              "kl": 1.0, "samples": samples, "ref_samples": ref,
              "human_samples": [{"post": i, "length": 10} for i in range(n)],
              "ref": {"reward": 0.0, "retrieval_mrr": 0.5, "rouge_l": 0.1, "eos_fraction": 0.8,
@@ -256,6 +257,7 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
         "rloo": fake_run(0, [1.0] * 4, rloo),
         "rloo_noise": fake_run(0, [0.5, 1.0, 0.5, 1.0], {**rloo, "reward_noise": 1.0}),
         "target": fake_run(0, [0.25] * 4, {"target_kl": 3.0}),
+        "flip": fake_run(0, [-1.0, -1.0, -2.0, -2.0], {"flip_sign": True}, kl=[50.0] * 4),
         "beta0": fake_run(0, [2.0] * 4, beta0, copied_bigrams=[0.5] * 4,
                           question=[True, True, False, False]),
         "ent": fake_run(0, [2.0] * 4, {**beta0, "ent_coef": 0.01},
@@ -280,6 +282,9 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     # RAFT k = 4 against RLOO: the same judge's reward, 90% of bigrams copied against 10%
     assert "bigrams copied from the post 90% against RLOO's 10%" in line("RAFT at k = 4")
     assert "not resolved: within 2 SE: RAFT's summaries copy the post" in line("RAFT at k = 4")
+    # the sign flip: below SFT (0) by 1.5 ± 0.29 and 49 nats further from SFT: not fluent
+    assert "judge -1.50 ± 0.29 over SFT" in line("negating both")
+    assert "but it is not fluent" in line("negating both")
     # entropy bonus: copied -0.35 ± 0.03 (below), questions -0.50 ± 0.29 (within 2 SE)
     assert "copied bigrams -0.35 ± 0.03 against β = 0 alone" in line("entropy bonus")
     assert "in part: copied bigrams" in line("entropy bonus")
