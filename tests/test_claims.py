@@ -233,7 +233,7 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
     assert "λ 1: +1.25; λ 0.95: +0.50; λ 0: -0.25" in lam_row and "holds here" in lam_row
     assert "--lam 0.5 not yet run" in lam_row
     clip_row = next(line for line in text.splitlines() if "fewer than 5%" in line)
-    assert "at most 1.00%; in the worst iteration 1.00% (3 settings)" in clip_row
+    assert "at most 1.00%; in the worst iteration 1.00% (3 settings;" in clip_row
     assert "holds here" in clip_row
     assert "not yet run" in next(line for line in text.splitlines() if "RAFT at k = 2" in line)
     assert (tmp_path / "claims_lambda.png").stat().st_size > 1000

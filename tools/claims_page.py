@@ -205,15 +205,17 @@ def claims(runs, other):
     # 2. clipping
     claim = "PPO clips fewer than 5% of tokens"
     if runs:
-        clipping = {s: r for s, r in runs.items()                 # PPO's: GAE, clipped
-                    if "--clip off" not in s and "--estimator" not in s}
+        clipping = {s: r for s, r in runs.items()                 # PPO's: GAE, clipped,
+                    if "--clip off" not in s and "--estimator" not in s   # learning the task
+                    and "--flip-sign" not in s}
         mean = max(training(r, "clipfrac") for r in clipping.values())
         worst = max(training(r, "clipfrac", lambda rows, k: max(x[k] for x in rows))
                     for r in clipping.values())
         rows.append(row("2", "004 (Huang et al.)", claim, f"{ppo}  (clipfrac, every PPO run)",
                         f"share of tokens clipped, mean over iterations: at most {mean:.2%}; "
                         f"in the worst iteration {worst:.2%} ({len(clipping)} setting"
-                        f"{'s' * (len(clipping) > 1)})",
+                        f"{'s' * (len(clipping) > 1)}; not --flip-sign, whose objective "
+                        "rewards leaving SFT)",
                         "holds here" if worst < 0.05 else "does not hold here"))
     for setting, claim, what in (          # settings as `flags` writes them: BASE's order
             ("--clip off", "turning clipping off does not hurt", "no clipping"),
