@@ -20,6 +20,7 @@ from support.measures import paired_gain
 from support.optimum import best_of_n_weights, by_score, optimum_point
 from support.report import optimum_curves
 from tools import length_bins
+from support.sweep import judge_sd
 from support.tables import MEASURES, markdown_table
 
 RUNS = Path("docs/runs/claims")
@@ -642,8 +643,7 @@ def page(runs, other):
     if noisy:
         one = next(iter(next(iter(runs.values())).values()))
         refs = [s["reward"] for s in one["final"]["ref_samples"]]
-        mean = sum(refs) / len(refs)
-        unit = math.sqrt(sum((x - mean) ** 2 for x in refs) / (len(refs) - 1))
+        unit = judge_sd(one["final"])                      # the unit ppo.py used
         lines += ["## Reward noise", "",
                   f"`--reward-noise SD` adds Gaussian noise of SD × {unit:.2f} to every score "
                   f"a run learns from: {unit:.2f} is the SD of the judge's scores over SFT's "
