@@ -306,6 +306,31 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     assert (tmp_path / "claims_beta.png").stat().st_size > 1000
 
 
+def test_the_dpo_row_picks_beta_on_seed_0_and_judges_every_run():
+    from tools import claims_page
+
+    def judged(beta, seed, low, high):
+        interval = lambda acc, lo, hi: {"heldout_accuracy": acc, "wilson_low": lo,  # noqa: E731
+                                        "wilson_high": hi}
+        return {"config": {"beta": beta, "seed": seed},
+                "final": {"judges": {"pairs": 128, "implicit": interval((low + high) / 2, low,
+                                                                        high),
+                                     "content": interval(0.61, 0.52, 0.69)}}}
+    runs = [judged(0.05, 0, 0.55, 0.70), judged(0.1, 0, 0.60, 0.78), judged(0.5, 0, 0.50, 0.66)]
+    row = claims_page.dpo_row(claims_page.dpo_groups({f"dpo{i}": d for i, d in enumerate(runs)}))
+    assert row[-1] == ("not resolved: the Wilson intervals overlap; best β on seed 0 by the "
+                       "implicit judge: 0.1, seeds 1, 2 not yet run")
+    assert "β 0.05, seed 0: implicit 62.5% [55.0%, 70.0%]" in row[4]
+    assert "the explicit judge (content) 61.0% [52.0%, 69.0%] on the same 128" in row[4]
+    runs += [judged(0.1, 1, 0.70, 0.85), judged(0.1, 2, 0.62, 0.80)]
+    row = claims_page.dpo_row(claims_page.dpo_groups({f"dpo{i}": d for i, d in enumerate(runs)}))
+    assert row[-1].startswith("does not hold here: the implicit judge is the more accurate")
+    assert row[-1].endswith("0.1, seeds 1, 2 run")
+    row = claims_page.dpo_row(claims_page.dpo_groups({"dpo": runs[1]}))
+    assert row[-1].endswith("β 0.05, 0.5 not yet run")
+    assert "not yet run: the DPO runs" in claims_page.dpo_row({})[-1]
+
+
 def test_a_kept_summary_keeps_numbers_and_words_not_texts():
     from support.kept import TEXTS, machine, summarize_run
     samples = [{"post": i, "reward": 0.1 * i, "text": "two words", "ids": [1, 2]}
