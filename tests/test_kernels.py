@@ -263,7 +263,8 @@ def via_hidden(weight):
     return fn
 
 
-@pytest.mark.parametrize("V", [7, 4097, 49152])
+# SmolLM2's vocabulary takes seconds a case under the interpreter: `pytest -m slow` runs it
+@pytest.mark.parametrize("V", [7, 4097, pytest.param(49152, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("train_head", [False, True], ids=["frozen_head", "trained_head"])
 def test_hidden_matches_float64(backend, monkeypatch, V, train_head):
     """Fused linear + log-prob against the float64 oracle, over several row chunks
