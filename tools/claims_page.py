@@ -644,14 +644,19 @@ def page(runs, other):
                   "`python dpo.py --beta B --seed S`: the implicit judge (D1) against the "
                   "explicit one on the judge's held-out comparisons (accuracy, Wilson 95% "
                   "interval), and the training curve's last row under TRL's names (means over "
-                  "the last logged step's pairs). The DPO policy's held-out row is in the table "
-                  "of runs above.", "",
+                  "the last logged step's pairs). \"r with length\": the correlation of each "
+                  "judge's score with the summary's length over the same pairs (the content "
+                  "score leaves length to its own term; the full score and the implicit one "
+                  "do not). The DPO policy's held-out row is in the table of runs above.", "",
                   markdown_table(["run", "pairs", "implicit (D1)", "judge: content",
-                                  "judge: full", "loss", "rewards/chosen", "rewards/rejected",
+                                  "judge: full", "r with length (implicit / content / full)",
+                                  "loss", "rewards/chosen", "rewards/rejected",
                                   "rewards/margins", "rewards/accuracies", "machine"], [
                       [f"`{name}`, seed {seed}", str(d["final"]["judges"]["pairs"]),
                        *(accuracy(d["final"]["judges"][k]) for k in ("implicit", "content",
                                                                     "full")),
+                       " / ".join(f"{d['final']['judges'][k]['score_length_correlation']:.2f}"
+                                  for k in ("implicit", "content", "full")),
                        *(f"{d['curve'][-1][k]:+.3f}" for k in (
                            "loss", "rewards/chosen", "rewards/rejected", "rewards/margins")),
                        f"{d['curve'][-1]['rewards/accuracies']:.0%}", d["machine"]]
