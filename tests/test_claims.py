@@ -240,6 +240,12 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
     with pytest.raises(SystemExit) as same:
         claims_page.main(["--runs", str(runs), "--out", str(out), "--check"])
     assert same.value.code == 0
+    # λ = 0.5 above λ = 0.95: the ends still fall past 2 SE, the order does not hold
+    (runs / "lam05.json").write_text(json.dumps(fake_run(0, [1.5] * 4, {"lam": 0.5})))
+    claims_page.main(["--runs", str(runs), "--out", str(out)])
+    lam_row = next(line for line in out.read_text().splitlines() if "falls in that order" in line)
+    assert "λ 0.5: +1.50" in lam_row and "not yet run" not in lam_row
+    assert "in part: the ends fall past 2 SE, the middle is out of order" in lam_row
 
 
 def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):

@@ -182,7 +182,8 @@ def claims(runs, other):
         g, se = gain(runs[have[0]], runs[have[-1]], "reward")
         ordered = all(means[a] >= means[b] for a, b in zip(have, have[1:]))
         verdict = ("holds here" if ordered and g > 2 * se else
-                   "does not hold here" if g < -2 * se else
+                   "in part: the ends fall past 2 SE, the middle is out of order" if g > 2 * se
+                   else "does not hold here" if g < -2 * se else
                    f"not resolved: λ {have[0].split()[-1] if have[0] else '0.95'} against "
                    f"{have[-1].split()[-1] if have[-1] else '0.95'} is {pm(g, se)}, within 2 SE")
         missing_lams = [s or "--lam 0.95" for s in lams if s not in runs]
