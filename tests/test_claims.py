@@ -1,6 +1,7 @@
 """The pieces the readings' claims need (docs/claims.md): RAFT, reward noise, no clipping,
 vanilla policy gradient, the sign flip, and the ratio after the last inner step."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ import reward_model as rm
 from gae import noisy_scores, raft_weights, sequence_advantages
 from support import cli, report
 from test_ppo import tiny_pool
+
+DOCS = Path(__file__).parents[1] / "docs"
+RUNS, PAGE = DOCS / "runs" / "claims", DOCS / "claims.md"     # the kept files and their page
 
 
 # ---------------------------------------------------------------------------------- RAFT
@@ -246,6 +250,14 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
     lam_row = next(line for line in out.read_text().splitlines() if "falls in that order" in line)
     assert "λ 0.5: +1.50" in lam_row and "not yet run" not in lam_row
     assert "in part: the ends fall past 2 SE, the middle is out of order" in lam_row
+
+
+def test_the_kept_page_is_what_its_kept_files_give():
+    """docs/claims.md is the command's output from docs/runs/claims/, not typed in."""
+    from tools import claims_page
+    with pytest.raises(SystemExit) as same:
+        claims_page.main(["--runs", str(RUNS), "--out", str(PAGE), "--check"])
+    assert same.value.code == 0
 
 
 def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
