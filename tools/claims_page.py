@@ -410,7 +410,7 @@ def dpo_row(groups):
     unrun = [f"{b:g}" for b in DPO_BETAS if f"dpo.py --beta {b:g}" not in firsts]
     verdict += f"; β {', '.join(unrun)} not yet run" * bool(unrun)
     verdict += (f"; best β on seed 0 by the implicit judge: {best.split()[-1]}, "
-                + (f"seeds {', '.join(map(str, later))} run" if later else
+                + (f"seed{'s' * (len(later) > 1)} {', '.join(map(str, later))} run" if later else
                    "seeds 1, 2 not yet run")) if best and not unrun else ""
     return row("4", "004 (Huang et al.)", claim, command,
                "; ".join(cells) + f"; the explicit judge (content) {' / '.join(sorted(explicit))}"
@@ -616,7 +616,8 @@ def page(runs, other):
         "",
         "## Every run, by setting",
         "",
-        "Held-out means (mean over seeds), gains ± SE as above, the share of tokens the "
+        "Held-out means (mean over seeds), gains ± SE as above (against β = 0.1: over the "
+        "seeds both have), the share of tokens the "
         "clipped loss clipped (mean over iterations and inner steps) and the ratio "
         "π_θ / π_old after the last inner step (lowest and highest over every iteration's "
         "tokens). Machines: " + ("; ".join(machines) if machines else "none yet") + ".",
