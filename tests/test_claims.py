@@ -322,6 +322,10 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     assert "judge -0.25 ± 0.00" in line("target 3 nats") and "below" in line("target 3 nats")
     assert "not yet run" in line("target 1 nats")
     assert (tmp_path / "claims_beta.png").stat().st_size > 1000
+    # length bins: every summary as long as the person's (ratio 1), each above SFT's 0:
+    # 4 of 4 wins, Wilson's low end 4 / (4 + 1.96^2) = 0.51, past one half, at both β
+    assert "β = 0: 0.75-1.25 100% of 4; β = 0.1: 0.75-1.25 100% of 4" in line("every length")
+    assert line("every length").endswith("| β = 0: holds here; β = 0.1: holds here |")
 
 
 def test_the_dpo_row_picks_beta_on_seed_0_and_judges_every_run():

@@ -286,16 +286,23 @@ def claims(runs, other):
     rows += beta0_rows(runs)
     # 7. the optimum
     rows.append(optimum_row(base, other.get("optimum")))
-    # 8. length bins
+    # 8. length bins, for each of the sweep's β that has runs here
     claim = "PPO wins over SFT in every length bin"
-    if base:
-        bins = [b for b in by_length(base) if b["posts"]]
+    sweep = {f"β = {beta}": runs[s] for beta, s in (("0", "--beta 0"), ("0.1", ""))
+             if s in runs}
+    if sweep:
+        cells, verdicts = [], []
+        for name, setting_runs in sweep.items():
+            bins = [b for b in by_length(setting_runs) if b["posts"]]
+            cells.append(f"{name}: " + ", ".join(f"{b['bin']} {b['win_rate']:.0%} of "
+                                                f"{b['posts']}" for b in bins))
+            verdicts.append(f"{name}: " + (
+                "holds here" if all(b["wilson"][0] > 0.5 for b in bins) else
+                "does not hold here" if any(b["wilson"][1] < 0.5 for b in bins) else
+                "not resolved: a bin's Wilson interval holds 50%"))
         rows.append(row("8", "004 (Stiennon et al.)", claim, "python -m tools.length_bins RUN",
-                        "; ".join(f"length ratio {b['bin']}: {b['win_rate']:.0%} of "
-                                  f"{b['posts']}" for b in bins),
-                        "holds here" if all(b["wilson"][0] > 0.5 for b in bins) else
-                        "does not hold here" if any(b["wilson"][1] < 0.5 for b in bins) else
-                        "not resolved: a bin's Wilson interval holds 50%"))
+                        "win rate over SFT by length over the person's TL;DR: "
+                        + "; ".join(cells), "; ".join(verdicts)))
     else:
         rows.append(missing("8", "004 (Stiennon et al.)", claim, "python -m tools.length_bins RUN",
                             "the β = 0.1 runs"))
@@ -363,7 +370,7 @@ def beta0_rows(runs):
         command = f"python ppo.py {setting}"
         if not (plain and setting in runs):
             rows.append(missing("6", "000 (the post)", claim, command,
-                                "one seed, and `--beta 0` beside it"))
+                                "one seed" + ", and `--beta 0` beside it" * (not plain)))
             continue
         changes = [(name, *gain(runs[setting], plain, key))
                    for key, name in (("copied_bigrams", "copied bigrams"),
