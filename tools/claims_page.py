@@ -396,7 +396,8 @@ def dpo_row(groups):
     if not groups:
         return missing("4", "004 (Huang et al.)", claim, command, "the DPO runs")
     runs = [d for group in groups.values() for d in group.values()]
-    explicit = {accuracy(d["final"]["judges"]["content"]) for d in runs}
+    judges = [d["final"]["judges"] for d in runs]      # implicit, content, full; per run
+    explicit = {accuracy(j["content"]) for j in judges}
     firsts = {name: group[0] for name, group in groups.items() if 0 in group}
     best = max(firsts, key=lambda name: firsts[name]["final"]["judges"]["implicit"][
         "heldout_accuracy"]) if firsts else None
@@ -404,12 +405,10 @@ def dpo_row(groups):
              f"{accuracy(d['final']['judges']['implicit'])}"
              for name, group in sorted(groups.items(), key=lambda g: float(g[0].split()[-1]))
              for seed, d in sorted(group.items())]
-    below = [d["final"]["judges"]["implicit"]["wilson_high"]
-             < d["final"]["judges"]["content"]["wilson_low"] for d in runs]
-    above = [d["final"]["judges"]["implicit"]["wilson_low"]
-             > d["final"]["judges"]["content"]["wilson_high"] for d in runs]
-    higher = all(d["final"]["judges"]["implicit"]["heldout_accuracy"]
-                 > d["final"]["judges"]["content"]["heldout_accuracy"] for d in runs)
+    below = [j["implicit"]["wilson_high"] < j["content"]["wilson_low"] for j in judges]
+    above = [j["implicit"]["wilson_low"] > j["content"]["wilson_high"] for j in judges]
+    higher = all(j["implicit"]["heldout_accuracy"] > j["content"]["heldout_accuracy"]
+                 for j in judges)
     verdict = ("holds here" if all(below) else "does not hold here: the implicit judge is "
                "the more accurate" if any(above) else "not resolved: the Wilson intervals "
                "overlap" + (" (the implicit judge is the higher in every run)" if higher else ""))
