@@ -235,7 +235,7 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
     lam_row = next(line for line in text.splitlines() if "falls in that order" in line)
     # lambda 1 against 0: d = [1, 1.5, 1.5, 2], gain 1.5, SE 0.5 sd / 2 = 0.204: holds
     assert "λ 1: +1.25; λ 0.95: +0.50; λ 0: -0.25" in lam_row and "holds here" in lam_row
-    assert "--lam 0.5 not yet run" in lam_row
+    assert "--lam 0.5 not yet run" in lam_row and "(seeds 1, 2 not yet run)" in lam_row
     clip_row = next(line for line in text.splitlines() if "fewer than 5%" in line)
     assert "at most 1.00%; in the worst iteration 1.00% (3 settings;" in clip_row
     assert "holds here" in clip_row
@@ -248,9 +248,17 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
     (runs / "lam05.json").write_text(json.dumps(fake_run(0, [1.5] * 4, {"lam": 0.5})))
     claims_page.main(["--runs", str(runs), "--out", str(out)])
     lam_row = next(line for line in out.read_text().splitlines() if "falls in that order" in line)
-    assert "λ 0.5: +1.50" in lam_row and "not yet run" not in lam_row
+    assert "λ 0.5: +1.50" in lam_row and "--lam 0.5 not yet run" not in lam_row
     assert "in part: the ends fall past 2 SE, the middle is out of order" in lam_row
-
+    # tier 1 asks three seeds: with seed 1 of every λ the row names seed 2 alone, then nothing
+    lam05 = fake_run(0, [1.5] * 4, {"lam": 0.5})
+    for seed in (1, 2):
+        for name, run in (("base", base), ("lam0", lam0), ("lam1", lam1), ("lam05", lam05)):
+            (runs / f"{name}_s{seed}.json").write_text(json.dumps({**run, "config": {
+                **run["config"], "seed": seed}}))
+        claims_page.main(["--runs", str(runs), "--out", str(out)])
+        lam_row = next(x for x in out.read_text().splitlines() if "falls in that order" in x)
+        assert lam_row.endswith(" (seed 2 not yet run) |" if seed == 1 else "out of order |")
 
 def test_the_kept_page_is_what_its_kept_files_give():
     """docs/claims.md is the command's output from docs/runs/claims/, not typed in."""
@@ -306,6 +314,8 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     # entropy bonus: copied -0.35 ± 0.03 (below), questions -0.50 ± 0.29 (within 2 SE)
     assert "copied bigrams -0.35 ± 0.03 against β = 0 alone" in line("entropy bonus")
     assert "in part: copied bigrams" in line("entropy bonus")
+    # tier 2 asks three seeds only where a sign is within 2 SE: questions are, here
+    assert line("entropy bonus").endswith("fall past 2 SE (seeds 1, 2 not yet run) |")
     assert "does not hold here" in line("supervised loss (13)")
     # PPO: +0.50 on every post at KL 1.00. The optimum at β = 0.1 of (0, 0, 0, 1 + 0.1 i):
     # weight e^{10 r} / sum; best of n with KL <= 1: n = 4 (KL 0.64), the top score 1 + 0.1 i,
@@ -320,6 +330,7 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     assert (tmp_path / "claims_optimum.png").stat().st_size > 1000
     # the controller at 3 nats: -0.25 against the baseline on every post
     assert "judge -0.25 ± 0.00" in line("target 3 nats") and "below" in line("target 3 nats")
+    assert "not yet run)" not in line("target 3 nats")
     assert "not yet run" in line("target 1 nats")
     assert (tmp_path / "claims_beta.png").stat().st_size > 1000
     # length bins: every summary as long as the person's (ratio 1), each above SFT's 0:

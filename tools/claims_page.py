@@ -33,6 +33,7 @@ BASE = {"beta": 0.1, "estimator": "gae", "batch": 8, "samples_per_prompt": 1, "l
         "target_kl": None, "ent_coef": 0.0, "ptx_coef": 0.0, "flip_sign": False,
         "reward": "content", "kl_estimator": "k1"}
 DPO_BETAS = (0.05, 0.1, 0.5)   # dpo.py's β on seed 0; the best of them then on seeds 1, 2
+SEEDS = (0, 1, 2)     # tier 1's seeds, and tier 2's where a sign is within 2 SE
 TARGETS = (1, 3)      # --target-kl, nats a summary: below and at β = 0.1's own 2.9 at the end
 
 
@@ -140,6 +141,14 @@ def outside_note(runs, base):
     return "; but " + " and ".join(notes) if notes else ""
 
 
+def unrun_seeds(*groups):
+    """' (seeds 1, 2 not yet run)': the seeds of SEEDS that a group ({seed: summary}) of the
+    comparison lacks, or ''."""
+    lacking = sorted({s for group in groups for s in SEEDS if s not in group})
+    return (f" (seed{'s' * (len(lacking) > 1)} {', '.join(map(str, lacking))} not yet run)"
+            if lacking else "")
+
+
 def versus(g, se):
     """'above', 'below' (past 2 SE) or 'within 2 SE'."""
     if math.isnan(se) or abs(g) <= 2 * se:
@@ -188,6 +197,7 @@ def claims(runs, other):
                    f"{have[-1].split()[-1] if have[-1] else '0.95'} is {pm(g, se)}, within 2 SE")
         missing_lams = [s or "--lam 0.95" for s in lams if s not in runs]
         verdict += f" ({', '.join(missing_lams)} not yet run)" * bool(missing_lams)
+        verdict += unrun_seeds(base, *(runs[s] for s in have))
         rows.append(row("1", "004 (Ahmadian et al.)", claim, f"{ppo} --lam {{1, 0.5, 0}} --seeds 0 1 2",
                         "judge's reward: " + text, verdict))
     else:
@@ -230,8 +240,9 @@ def claims(runs, other):
             g, se = gain(runs[setting], base, "reward")
             rows.append(row("2", "004 (Ahmadian et al.)", claim, command,
                             judge_row(runs[setting], base),
-                            ("holds here on the judge" + outside_note(runs[setting], base))
-                            if g >= -2 * se else "does not hold here: the judge's reward falls"))
+                            (("holds here on the judge" + outside_note(runs[setting], base))
+                             if g >= -2 * se else "does not hold here: the judge's reward falls")
+                            + unrun_seeds(runs[setting], base)))
         else:
             rows.append(missing("2", "004 (Ahmadian et al.)", claim, command, what))
     # 3. RAFT and reward noise
@@ -253,7 +264,7 @@ def claims(runs, other):
                              "does not hold here on the judge" if g > 2 * se else
                              "not resolved: within 2 SE") +
                             (": RAFT's summaries copy the post" if copied[0] > copied[1] + 0.2
-                             else "")))
+                             else "") + unrun_seeds(runs[raft], runs[rloo])))
         else:
             rows.append(missing("3", "004 (Ahmadian et al.)", claim, command,
                                 "RAFT and RLOO 2 x 4 at the same samples"))
@@ -272,14 +283,15 @@ def claims(runs, other):
         if base and setting in runs:
             measure = "words" if "whiten" in setting else "reward"
             g, se = gain(runs[setting], base, measure)
+            if measure == "words":
+                verdict = ("holds here" if g < -2 * se else "does not hold here: longer"
+                           if g > 2 * se else "not resolved: words within 2 SE of the baseline's")
+            else:
+                verdict = f"the judge {versus(g, se).replace('2 SE', '2 SE of')} the baseline"
+            verdict += unrun_seeds(runs[setting], base) * (versus(g, se) == "within 2 SE")
             rows.append(row("5", "004 (Stiennon, Huang et al.)", claim, command,
                             judge_row(runs[setting], base) +
-                            (f"; words {pm(g, se, 1)}" if measure == "words" else ""),
-                            ("holds here" if g < -2 * se else "does not hold here: longer"
-                             if g > 2 * se else "not resolved: words within 2 SE of the "
-                             "baseline's") if measure == "words" else
-                            f"the judge {versus(g, se).replace('2 SE', '2 SE of')} the "
-                            "baseline"))
+                            (f"; words {pm(g, se, 1)}" if measure == "words" else ""), verdict))
         else:
             rows.append(missing("5", "004 (Stiennon, Huang et al.)", claim, command, "one seed"))
     # 6. (12) and (13) at beta = 0
@@ -380,9 +392,10 @@ def beta0_rows(runs):
                         "; ".join(f"{name} {pm(g, se)} against β = 0 alone"
                                   for name, g, se in changes) + "; " +
                         judge_row(runs[setting], plain, "β = 0"),
-                        "holds here" if len(fell) == len(changes) else
-                        "in part: " + ", ".join(fell) + " fall past 2 SE" if fell else
-                        "does not hold here"))
+                        ("holds here" if len(fell) == len(changes) else
+                         "in part: " + ", ".join(fell) + " fall past 2 SE" if fell else
+                         "does not hold here") + unrun_seeds(runs[setting], plain) * any(
+                             versus(g, se) == "within 2 SE" for _, g, se in changes)))
     return rows
 
 
@@ -602,6 +615,7 @@ def page(runs, other):
     """docs/claims.md's text."""
     rows = claims(runs, other)
     done = sum(not r[5].startswith("not yet run") for r in rows)
+    short = sum("not yet run)" in r[5] for r in rows)      # runs, but not all their seeds
     machines = sorted({r["machine"] for group in runs.values() for r in group.values()})
     lines = [
         "# The readings' claims, run at this scale",
@@ -611,7 +625,8 @@ def page(runs, other):
         "judge, the cpu preset, β = 0.1 and GAE unless the command says otherwise; gains "
         "are on the 64 held-out posts, paired by post within seed, ± the larger of the SE "
         "over seeds and the SE over posts; \"above\" and \"below\" mean past 2 SE. "
-        f"{done} of {len(rows)} rows have their runs; the others say what is still to run. "
+        f"{done} of {len(rows)} rows have runs ({short} of them on fewer seeds than they "
+        "need: the verdict names the rest); the others say what is still to run. "
         "Back to the [README](../README.md).",
         "",
         "```bash",
