@@ -132,6 +132,16 @@ def train_tiny(argv, tiny_judge, tiny, tokenizer, folder, iterations=2, noise_sd
 
 
 @pytest.mark.slow
+def test_order_kept_by_hand_and_by_sampling():
+    """SD 0 keeps every order; SD 1: rho = 1/sqrt 2, asin = pi/4, so 3/4; against a draw."""
+    from tools.claims_page import order_kept
+    assert order_kept(0) == 1.0 and order_kept(1) == pytest.approx(0.75)
+    g = torch.Generator().manual_seed(0)
+    r, e = torch.randn(2, 200_000, generator=g), 3 * torch.randn(2, 200_000, generator=g)
+    kept = ((r[0] - r[1]).sign() == (r[0] + e[0] - r[1] - e[1]).sign()).double().mean()
+    assert float(kept) == pytest.approx(order_kept(3), abs=0.005)       # 0.602
+
+
 def test_noise_of_sd_zero_is_the_plain_run_and_noise_resumes_the_same(tiny_judge, data_dir,
                                                                        tiny, tokenizer,
                                                                        tmp_path):
@@ -305,6 +315,7 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     # -0.75, SE sd / 2 = 0.144: RAFT loses more, past 2 SE
     assert ("RAFT -1.00, RLOO -0.25; RAFT's against RLOO's -0.75 ± 0.14" in
             line("under reward noise") and "holds here (1 seed)" in line("under reward noise"))
+    assert line("under reward noise").endswith("; SD 3 not yet run |")
     # RAFT k = 4 against RLOO: the same judge's reward, 90% of bigrams copied against 10%
     assert "bigrams copied from the post 90% against RLOO's 10%" in line("RAFT at k = 4")
     assert "not resolved: within 2 SE: RAFT's summaries copy the post" in line("RAFT at k = 4")

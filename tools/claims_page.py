@@ -34,6 +34,7 @@ BASE = {"beta": 0.1, "estimator": "gae", "batch": 8, "samples_per_prompt": 1, "l
         "reward": "content", "kl_estimator": "k1"}
 DPO_BETAS = (0.05, 0.1, 0.5)   # dpo.py's β on seed 0; the best of them then on seeds 1, 2
 SEEDS = (0, 1, 2)     # tier 1's seeds, and tier 2's where a sign is within 2 SE
+NOISE_SDS = (1, 3)    # --reward-noise, in the judge's SDs: `order_kept` says why these two
 TARGETS = (1, 3)      # --target-kl, nats a summary: below and at β = 0.1's own 2.9 at the end
 
 
@@ -339,6 +340,15 @@ def claims(runs, other):
     return rows
 
 
+def order_kept(sd):
+    """How often noise of `sd` (in the judge's SDs) leaves two summaries in the judge's order:
+    with scores r1, r2 ~ N(mu, s^2) and noise e1, e2 ~ N(0, (sd s)^2), the differences
+    r1 - r2 and (r1 + e1) - (r2 + e2) are normal with correlation rho (Sheppard's formula):
+        P(same sign) = 1/2 + asin(rho) / pi,        rho = 1 / sqrt(1 + sd^2)
+    3/4 at SD 1 (most of a comparison's signal kept), 0.60 at SD 3 (little of it)."""
+    return 0.5 + math.asin(1 / math.sqrt(1 + sd * sd)) / math.pi
+
+
 def noise_row(runs, ppo, rloo, raft):
     """Item 3's noise claim: how much each estimator's judge's reward falls when the score it
     learns from gets Gaussian noise (--reward-noise SD), RAFT's fall against RLOO's:
@@ -366,9 +376,11 @@ def noise_row(runs, ppo, rloo, raft):
     if not cells:
         return missing("3", "004 (Ahmadian et al.)", claim, command,
                        "RAFT and RLOO 2 x 4, each with and without the noise")
+    unrun = [f"{sd:g}" for sd in NOISE_SDS if f"{sd:g}" not in noisy]
     return row("3", "004 (Ahmadian et al.)", claim, command,
                "change of the judge's reward with the noise: " + "; ".join(cells),
-               "; ".join(verdicts) + f" ({seeds} seed{'s' * (seeds > 1)})")
+               "; ".join(verdicts) + f" ({seeds} seed{'s' * (seeds > 1)})" +
+               f"; SD {', '.join(unrun)} not yet run" * bool(unrun))
 
 
 def beta0_rows(runs):
@@ -695,8 +707,14 @@ def page(runs, other):
                   f"`--reward-noise SD` adds Gaussian noise of SD × {unit:.2f} to every score "
                   f"a run learns from: {unit:.2f} is the SD of the judge's scores over SFT's "
                   f"{len(refs)} held-out summaries (`sweep.judge_sd`), so SD 1 makes a score's "
-                  "noise as large as the spread of the judge's scores across summaries. The papers' SD 3 and 5 are on their own reward model's "
-                  "scale and do not carry over. Run here: SD " + ", ".join(noisy) + ". The "
+                  "noise as large as the spread of the judge's scores across summaries. The "
+                  "papers' SD 3 and 5 are on their own reward model's scale and do not carry "
+                  "over; the two levels here, SD " + " and ".join(f"{sd:g}" for sd in NOISE_SDS)
+                  + ", leave two summaries in the judge's order "
+                  + " and ".join(f"{order_kept(sd):.0%}" for sd in NOISE_SDS) + " of the time "
+                  "(1/2 + asin(1/√(1 + SD²))/π for normal scores, `order_kept`): a comparison "
+                  "that keeps most of its signal, and one that keeps little. Run here: SD "
+                  + ", ".join(noisy) + ". The "
                   "judge's reward on the page is the noiseless judge on held-out posts.", ""]
     if any("--target-kl" in s for s in runs):
         lines += ["## The adaptive KL controller", "",
