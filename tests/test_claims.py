@@ -347,7 +347,9 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     # length bins: every summary as long as the person's (ratio 1), each above SFT's 0:
     # 4 of 4 wins, Wilson's low end 4 / (4 + 1.96^2) = 0.51, past one half, at both β
     assert "β = 0: 0.75-1.25 100% of 4; β = 0.1: 0.75-1.25 100% of 4" in line("every length")
-    assert line("every length").endswith("| β = 0: holds here; β = 0.1: holds here |")
+    assert line("every length").endswith("| β = 0: holds here; β = 0.1: holds here (β = 0.01, "
+                                         "0.5, 2: not yet run here; `python ppo.py --beta "
+                                         "0.01 0.5 2` makes them) |")
 
 
 def test_the_dpo_row_picks_beta_on_seed_0_and_judges_every_run():

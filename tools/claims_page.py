@@ -34,6 +34,7 @@ BASE = {"beta": 0.1, "estimator": "gae", "batch": 8, "samples_per_prompt": 1, "l
         "reward": "content", "kl_estimator": "k1"}
 DPO_BETAS = (0.05, 0.1, 0.5)   # dpo.py's β on seed 0; the best of them then on seeds 1, 2
 SEEDS = (0, 1, 2)     # tier 1's seeds, and tier 2's where a sign is within 2 SE
+SWEEP_BETAS = (0, 0.01, 0.1, 0.5, 2)     # ppo.py's sweep (the post's)
 NOISE_SDS = (1, 3)    # --reward-noise, in the judge's SDs: `order_kept` says why these two
 TARGETS = (1, 3)      # --target-kl, nats a summary: below and at β = 0.1's own 2.9 at the end
 
@@ -301,8 +302,9 @@ def claims(runs, other):
     rows.append(optimum_row(base, other.get("optimum")))
     # 8. length bins, for each of the sweep's β that has runs here
     claim = "PPO wins over SFT in every length bin"
-    sweep = {f"β = {beta}": runs[s] for beta, s in (("0", "--beta 0"), ("0.1", ""))
-             if s in runs}
+    settings = {f"{b:g}": "" if b == BASE["beta"] else f"--beta {b:g}" for b in SWEEP_BETAS}
+    sweep = {f"β = {b}": runs[s] for b, s in settings.items() if s in runs}
+    unrun = [b for b, s in settings.items() if s not in runs]
     if sweep:
         cells, verdicts = [], []
         for name, setting_runs in sweep.items():
@@ -315,7 +317,9 @@ def claims(runs, other):
                 "not resolved: a bin's Wilson interval holds 50%"))
         rows.append(row("8", "004 (Stiennon et al.)", claim, "python -m tools.length_bins RUN",
                         "win rate over SFT by length over the person's TL;DR: "
-                        + "; ".join(cells), "; ".join(verdicts)))
+                        + "; ".join(cells), "; ".join(verdicts) +
+                        f" (β = {', '.join(unrun)}: not yet run here; "
+                        f"`python ppo.py --beta {' '.join(unrun)}` makes them)" * bool(unrun)))
     else:
         rows.append(missing("8", "004 (Stiennon et al.)", claim, "python -m tools.length_bins RUN",
                             "the β = 0.1 runs"))
