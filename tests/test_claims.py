@@ -287,7 +287,8 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     rloo = {"estimator": "rloo", "batch": 2, "samples_per_prompt": 4}
     beta0 = {"beta": 0.0}
     files = {
-        "base": fake_run(0, [0.5] * 4),
+        "base": fake_run(0, [0.5] * 4, eos=[True, False, False, False]),
+        "eos": fake_run(0, [0.5] * 4, {"missing_eos_penalty": -1.0}, eos=[True] * 4),
         "raft": fake_run(0, [1.0] * 4, raft, copied_bigrams=[0.9] * 4),
         "raft_noise": fake_run(0, [0.0] * 4, {**raft, "reward_noise": 1.0}),
         "rloo": fake_run(0, [1.0] * 4, rloo),
@@ -342,6 +343,8 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     # the controller at 3 nats: -0.25 against the baseline on every post
     assert "judge -0.25 ± 0.00" in line("target 3 nats") and "below" in line("target 3 nats")
     assert "not yet run)" not in line("target 3 nats")
+    # -1 for no EOS: ends by itself 1 - 1/4 more, SE over posts sd(0, 1, 1, 1) / 2 = 0.25
+    assert "; ends by itself +75 ± 25 points | holds here |" in line("no EOS")
     assert "not yet run" in line("target 1 nats")
     assert (tmp_path / "claims_beta.png").stat().st_size > 1000
     # length bins: every summary as long as the person's (ratio 1), each above SFT's 0:

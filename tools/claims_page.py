@@ -273,29 +273,37 @@ def claims(runs, other):
     rows.append(noise_row(runs, ppo, rloo, "--estimator raft --batch 2 --samples-per-prompt 4"))
     # 4. DPO
     rows.append(dpo_row(dpo_groups(other)))
-    # 5. Stiennon's and Huang's settings, one change each
-    for setting, claim in (("--whiten-rewards", "whitening the rewards gives shorter summaries"),
-                           ("--value-init reward", "the value head from the judge"),
-                           ("--missing-eos-penalty -1", "-1 for a summary with no EOS"),
-                           ("--value-clip 0.2 --vf-coef 0.1", "the value loss clipped at 0.2, weight 0.1"),
-                           ("--gamma 1", "γ = 1"),
-                           *((f"--target-kl {t}", f"the adaptive KL controller, target {t} nats")
-                             for t in TARGETS)):
+    # 5. Stiennon's and Huang's settings, one change each: the measure a claim names moves
+    # in its direction (+1 up, -1 down); a setting with no claim of its own is read on the judge
+    for setting, claim, measure, name, sign in (
+            ("--whiten-rewards", "whitening the rewards gives shorter summaries",
+             "words", "words", -1),
+            ("--value-init reward", "the value head from the judge", "reward", "the judge", 0),
+            ("--missing-eos-penalty -1", "-1 for a summary with no EOS: more end by themselves",
+             "eos", "ends by itself", +1),
+            ("--value-clip 0.2 --vf-coef 0.1", "the value loss clipped at 0.2, weight 0.1",
+             "reward", "the judge", 0),
+            ("--gamma 1", "γ = 1", "reward", "the judge", 0),
+            *((f"--target-kl {t}", f"the adaptive KL controller, target {t} nats", "reward",
+               "the judge", 0) for t in TARGETS)):
         command = f"{ppo} {setting}"
-        if base and setting in runs:
-            measure = "words" if "whiten" in setting else "reward"
-            g, se = gain(runs[setting], base, measure)
-            if measure == "words":
-                verdict = ("holds here" if g < -2 * se else "does not hold here: longer"
-                           if g > 2 * se else "not resolved: words within 2 SE of the baseline's")
-            else:
-                verdict = f"the judge {versus(g, se).replace('2 SE', '2 SE of')} the baseline"
-            verdict += unrun_seeds(runs[setting], base) * (versus(g, se) == "within 2 SE")
-            rows.append(row("5", "004 (Stiennon, Huang et al.)", claim, command,
-                            judge_row(runs[setting], base) +
-                            (f"; words {pm(g, se, 1)}" if measure == "words" else ""), verdict))
-        else:
+        if not (base and setting in runs):
             rows.append(missing("5", "004 (Stiennon, Huang et al.)", claim, command, "one seed"))
+            continue
+        g, se = gain(runs[setting], base, measure)
+        if sign:
+            verdict = ("holds here" if sign * g > 2 * se else f"does not hold here: {name} "
+                       f"{'rises' if g > 0 else 'falls'}" if sign * g < -2 * se else
+                       f"not resolved: {name} within 2 SE of the baseline's")
+        else:
+            verdict = (f"{name} {versus(g, se).replace('2 SE', '2 SE of')} the baseline"
+                       + outside_note(runs[setting], base))
+        verdict += unrun_seeds(runs[setting], base) * (versus(g, se) == "within 2 SE")
+        rows.append(row("5", "004 (Stiennon, Huang et al.)", claim, command,
+                        judge_row(runs[setting], base) +
+                        (f"; {name} " + (f"{pm(100 * g, 100 * se, 0)} points" if measure ==
+                                         "eos" else pm(g, se, 1))) * bool(sign),
+                        verdict))
     # 6. (12) and (13) at beta = 0
     rows += beta0_rows(runs)
     # 7. the optimum
