@@ -306,6 +306,8 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
                     "best_of_n": [{"n": n, "kl": math.log(n) - (n - 1) / n} for n in (1, 2, 3, 4)],
                     "per_post": [{"post": i, "reward": [0.0, 0.0, 0.0, 1.0 + 0.1 * i]}
                                  for i in range(4)]}}
+    files["target"]["iterations"] = [{**files["target"]["iterations"][0], "iteration": i,
+                                      "kl": float(i), "beta": 0.01 * i} for i in range(12)]
     for name, data in files.items():
         (runs / f"{name}.json").write_text(json.dumps(data))
     out = tmp_path / "claims.md"
@@ -343,6 +345,9 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     # the controller at 3 nats: -0.25 against the baseline on every post
     assert "judge -0.25 ± 0.00" in line("target 3 nats") and "below" in line("target 3 nats")
     assert "not yet run)" not in line("target 3 nats")
+    # its 12 iterations' KL 0, 1, ..., 11: the last 10 average 6.5; β ends at 0.11
+    assert ("the batch's KL over the last 10 iterations 6.50 against its target 3, β at the "
+            "end 0.110" in line("target 3 nats"))
     # -1 for no EOS: ends by itself 1 - 1/4 more, SE over posts sd(0, 1, 1, 1) / 2 = 0.25
     assert "; ends by itself +75 ± 25 points | holds here |" in line("no EOS")
     assert "not yet run" in line("target 1 nats")

@@ -36,6 +36,7 @@ DPO_BETAS = (0.05, 0.1, 0.5)   # dpo.py's β on seed 0; the best of them then on
 SEEDS = (0, 1, 2)     # tier 1's seeds, and tier 2's where a sign is within 2 SE
 SWEEP_BETAS = (0, 0.01, 0.1, 0.5, 2)     # ppo.py's sweep (the post's)
 NOISE_SDS = (1, 3)    # --reward-noise, in the judge's SDs: `order_kept` says why these two
+LAST = 10             # iterations: the end of a run's training, where a controller has settled
 TARGETS = (1, 3)      # --target-kl, nats a summary: below and at β = 0.1's own 2.9 at the end
 
 
@@ -299,8 +300,14 @@ def claims(runs, other):
             verdict = (f"{name} {versus(g, se).replace('2 SE', '2 SE of')} the baseline"
                        + outside_note(runs[setting], base))
         verdict += unrun_seeds(runs[setting], base) * (versus(g, se) == "within 2 SE")
+        held = ""
+        if "--target-kl" in setting:        # the controller's own job: KL near its target
+            last = [x for r in runs[setting].values() for x in r["iterations"][-LAST:]]
+            held = (f"; the batch's KL over the last {LAST} iterations "
+                    f"{sum(x['kl'] for x in last) / len(last):.2f} against its target "
+                    f"{setting.split()[-1]}, β at the end {last[-1]['beta']:.3f}")
         rows.append(row("5", "004 (Stiennon, Huang et al.)", claim, command,
-                        judge_row(runs[setting], base) +
+                        judge_row(runs[setting], base) + held +
                         (f"; {name} " + (f"{pm(100 * g, 100 * se, 0)} points" if measure ==
                                          "eos" else pm(g, se, 1))) * bool(sign),
                         verdict))
