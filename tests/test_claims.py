@@ -350,7 +350,7 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
             "end 0.110" in line("target 3 nats"))
     # -1 for no EOS: ends by itself 1 - 1/4 more, SE over posts sd(0, 1, 1, 1) / 2 = 0.25
     assert "; ends by itself +75 ± 25 points | holds here |" in line("no EOS")
-    assert "not yet run" in line("target 1 nats")
+    assert "not yet run" in line("target 1 nat |")
     assert (tmp_path / "claims_beta.png").stat().st_size > 1000
     # length bins: every summary as long as the person's (ratio 1), each above SFT's 0:
     # 4 of 4 wins, Wilson's low end 4 / (4 + 1.96^2) = 0.51, past one half, at both β

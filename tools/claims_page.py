@@ -285,8 +285,8 @@ def claims(runs, other):
             ("--value-clip 0.2 --vf-coef 0.1", "the value loss clipped at 0.2, weight 0.1",
              "reward", "the judge", 0),
             ("--gamma 1", "γ = 1", "reward", "the judge", 0),
-            *((f"--target-kl {t}", f"the adaptive KL controller, target {t} nats", "reward",
-               "the judge", 0) for t in TARGETS)):
+            *((f"--target-kl {t}", f"the adaptive KL controller, target {t} "
+               f"nat{'s' * (t != 1)}", "reward", "the judge", 0) for t in TARGETS)):
         command = f"{ppo} {setting}"
         if not (base and setting in runs):
             rows.append(missing("5", "004 (Stiennon, Huang et al.)", claim, command, "one seed"))
