@@ -131,7 +131,6 @@ def train_tiny(argv, tiny_judge, tiny, tokenizer, folder, iterations=2, noise_sd
                      noise_sd=noise_sd)
 
 
-@pytest.mark.slow
 def test_order_kept_by_hand_and_by_sampling():
     """SD 0 keeps every order; SD 1: rho = 1/sqrt 2, asin = pi/4, so 3/4; against a draw."""
     from tools.claims_page import order_kept
@@ -142,6 +141,7 @@ def test_order_kept_by_hand_and_by_sampling():
     assert float(kept) == pytest.approx(order_kept(3), abs=0.005)       # 0.602
 
 
+@pytest.mark.slow
 def test_noise_of_sd_zero_is_the_plain_run_and_noise_resumes_the_same(tiny_judge, data_dir,
                                                                        tiny, tokenizer,
                                                                        tmp_path):
