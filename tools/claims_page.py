@@ -36,7 +36,7 @@ DPO_BETAS = (0.05, 0.1, 0.5)   # dpo.py's β on seed 0; the best of them then on
 SEEDS = (0, 1, 2)     # tier 1's seeds, and tier 2's where a sign is within 2 SE
 SWEEP_BETAS = (0, 0.01, 0.1, 0.5, 2)     # ppo.py's sweep (the post's)
 NOISE_SDS = (1, 3)    # --reward-noise, in the judge's SDs: `order_kept` says why these two
-LAST = 10             # iterations: the end of a run's training, where a controller has settled
+LAST = 10             # iterations: the end of a run's training, the controller's last word
 TARGETS = (1, 3)      # --target-kl, nats a summary: below and at β = 0.1's own 2.9 at the end
 
 
@@ -359,6 +359,12 @@ def claims(runs, other):
     return rows
 
 
+def noise_levels(runs):
+    """The --reward-noise SDs that some kept run used, as its flag writes them ('1', '3')."""
+    return sorted({s.split("--reward-noise ")[1].split()[0] for s in runs
+                   if "--reward-noise" in s})
+
+
 def order_kept(sd):
     """How often noise of `sd` (in the judge's SDs) leaves two summaries in the judge's order:
     with scores r1, r2 ~ N(mu, s^2) and noise e1, e2 ~ N(0, (sd s)^2), the differences
@@ -374,8 +380,7 @@ def noise_row(runs, ppo, rloo, raft):
         fall_e = R(e, noisy) - R(e, clean)       paired by post within seed
         D = fall_RAFT - fall_RLOO                (the claim: D < 0)"""
     claim = "RAFT loses more reward than RLOO under reward noise"
-    noisy = sorted({s.split("--reward-noise ")[1].split()[0] for s in runs
-                    if "--reward-noise" in s})
+    noisy = noise_levels(runs)
     command = f"{ppo} {{{rloo}, {raft}}} --reward-noise {{0, SD}}"
     cells, verdicts = [], []
     for sd in noisy:
@@ -716,8 +721,7 @@ def page(runs, other):
                        f"{d['curve'][-1]['rewards/accuracies']:.0%}", d["machine"]]
                       for name, group in sorted(dpo.items())
                       for seed, d in sorted(group.items())]), ""]
-    noisy = sorted({s.split("--reward-noise ")[1].split()[0] for s in runs
-                    if "--reward-noise" in s})
+    noisy = noise_levels(runs)
     if noisy:
         one = next(iter(next(iter(runs.values())).values()))
         refs = [s["reward"] for s in one["final"]["ref_samples"]]
