@@ -141,6 +141,16 @@ def test_order_kept_by_hand_and_by_sampling():
     assert float(kept) == pytest.approx(order_kept(3), abs=0.005)       # 0.602
 
 
+def test_the_noise_verdict_is_said_once_where_the_levels_agree():
+    from tools.claims_page import by_level
+    assert by_level([("1", "holds here")]) == "holds here"
+    assert by_level([("1", "not resolved")]) == "not resolved: within 2 SE"
+    assert (by_level([("1", "not resolved"), ("3", "not resolved")])
+            == "not resolved at SD 1 and 3: within 2 SE")
+    assert (by_level([("1", "not resolved"), ("3", "holds here")])
+            == "SD 1: not resolved (within 2 SE); SD 3: holds here")
+
+
 @pytest.mark.slow
 def test_noise_of_sd_zero_is_the_plain_run_and_noise_resumes_the_same(tiny_judge, data_dir,
                                                                        tiny, tokenizer,

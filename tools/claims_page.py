@@ -395,16 +395,29 @@ def noise_row(runs, ppo, rloo, raft):
         seeds = len(falls[0])
         cells.append(f"SD {sd} (judge's SDs): RAFT {fall[0]:+.2f}, RLOO {fall[1]:+.2f}; "
                      f"RAFT's against RLOO's {pm(d, se)}")
-        verdicts.append("holds here" if d < -2 * se else "does not hold here" if d > 2 * se
-                        else "not resolved: within 2 SE")
+        verdicts.append((sd, "holds here" if d < -2 * se else "does not hold here"
+                         if d > 2 * se else "not resolved"))
     if not cells:
         return missing("3", "004 (Ahmadian et al.)", claim, command,
                        "RAFT and RLOO 2 x 4, each with and without the noise")
     unrun = [f"{sd:g}" for sd in NOISE_SDS if f"{sd:g}" not in noisy]
     return row("3", "004 (Ahmadian et al.)", claim, command,
                "change of the judge's reward with the noise: " + "; ".join(cells),
-               "; ".join(verdicts) + f" ({seeds} seed{'s' * (seeds > 1)})" +
+               by_level(verdicts) + f" ({seeds} seed{'s' * (seeds > 1)})" +
                f"; SD {', '.join(unrun)} not yet run" * bool(unrun))
+
+
+def by_level(verdicts):
+    """One verdict for the noise levels that agree, else one per level:
+    [(1, 'not resolved'), (3, 'not resolved')] -> 'not resolved at SD 1 and 3: within 2 SE'."""
+    labels = {label for _, label in verdicts}
+    if len(labels) == 1:
+        label = labels.pop()
+        levels = " and ".join(sd for sd, _ in verdicts)
+        said = label + f" at SD {levels}" * (len(verdicts) > 1)
+        return said + ": within 2 SE" * (label == "not resolved")
+    return "; ".join(f"SD {sd}: {label}" + " (within 2 SE)" * (label == "not resolved")
+                     for sd, label in verdicts)
 
 
 def beta0_rows(runs):
