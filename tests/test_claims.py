@@ -260,6 +260,7 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
     assert "at most 1.00%; in the worst iteration 1.00% (3 settings;" in clip_row
     assert "holds here" in clip_row
     assert "not yet run" in next(line for line in text.splitlines() if "RAFT at k = 2" in line)
+    assert "on fewer seeds than they need" in text and "the others say what is still to run" in text
     assert (tmp_path / "claims_lambda.png").stat().st_size > 1000
     with pytest.raises(SystemExit) as same:
         claims_page.main(["--runs", str(runs), "--out", str(out), "--check"])

@@ -674,8 +674,10 @@ def page(runs, other):
         "judge, the cpu preset, β = 0.1 and GAE unless the command says otherwise; gains "
         "are on the 64 held-out posts, paired by post within seed, ± the larger of the SE "
         "over seeds and the SE over posts; \"above\" and \"below\" mean past 2 SE. "
-        f"{done} of {len(rows)} rows have runs ({short} of them on fewer seeds than they "
-        "need: the verdict names the rest); the others say what is still to run. "
+        f"{done} of {len(rows)} rows have runs "
+        + (f"({short} of them on fewer seeds than they need: the verdict names the rest)"
+           if short else "(each on the seeds it needs)")
+        + ("; the others say what is still to run. " if done < len(rows) else ". ") +
         "Back to the [README](../README.md).",
         "",
         "```bash",
