@@ -271,6 +271,12 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
     lam_row = next(line for line in out.read_text().splitlines() if "falls in that order" in line)
     assert "λ 0.5: +1.50" in lam_row and "--lam 0.5 not yet run" not in lam_row
     assert "in part: the ends fall past 2 SE, the middle is out of order" in lam_row
+    # a seed only λ = 0 has leaves the order on seed 0, the one every λ has
+    (runs / "lam0_s1.json").write_text(json.dumps({**fake_run(0, [5.0] * 4, {"lam": 0.0}),
+                                                   "config": {**lam0["config"], "seed": 1}}))
+    lam_row = next(x for x in claims_page.page(*claims_page.load(runs)).splitlines()
+                   if "falls in that order" in x)
+    assert "λ 0: -0.25 (seed 0)" in lam_row
     # tier 1 asks three seeds: with seed 1 of every λ the row names seed 2 alone, then nothing
     lam05 = fake_run(0, [1.5] * 4, {"lam": 0.5})
     for seed in (1, 2):
@@ -280,6 +286,7 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
         text = claims_page.page(*claims_page.load(runs))             # the page, no plots
         lam_row = next(x for x in text.splitlines() if "falls in that order" in x)
         assert lam_row.endswith(" (seed 2 not yet run) |" if seed == 1 else "out of order |")
+        assert ("(seeds 0, 1)" if seed == 1 else "(seeds 0, 1, 2)") in lam_row
 
 def test_the_kept_page_is_what_its_kept_files_give():
     """docs/claims.md is the command's output from docs/runs/claims/, not typed in."""

@@ -189,8 +189,10 @@ def claims(runs, other):
     claim = "λ from 1 to 0.95, 0.5 and 0: the reward falls in that order"
     have = [s for s in lams if s in runs]
     if base and len(have) >= 2:
-        means = {s: mean_of(runs[s], "reward") for s in have}
+        common = set.intersection(*(set(runs[s]) for s in have))   # the order on the same seeds
+        means = {s: mean_of({n: runs[s][n] for n in common}, "reward") for s in have}
         text = "; ".join(f"λ {'0.95' if s == '' else s.split()[1]}: {means[s]:+.2f}" for s in have)
+        text += f" (seed{'s' * (len(common) > 1)} {', '.join(map(str, sorted(common)))})"
         g, se = gain(runs[have[0]], runs[have[-1]], "reward")
         ordered = all(means[a] >= means[b] for a, b in zip(have, have[1:]))
         verdict = ("holds here" if ordered and g > 2 * se else
