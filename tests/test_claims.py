@@ -288,6 +288,21 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
         assert lam_row.endswith(" (seed 2 not yet run) |" if seed == 1 else "out of order |")
         assert ("(seeds 0, 1)" if seed == 1 else "(seeds 0, 1, 2)") in lam_row
 
+def test_lambda_in_order_but_within_2_se_is_not_resolved_and_says_so(tmp_path):
+    import json
+    from tools import claims_page
+    runs = tmp_path / "claims"
+    runs.mkdir()
+    # λ 1: +0.50, 0.95: +0.25, 0: 0; λ 1 against 0: d = [2, -1, 2, -1], SE sqrt(3) / 2 = 0.87
+    for name, rewards, config in (("base", [0.25] * 4, None), ("lam0", [0.0] * 4, {"lam": 0.0}),
+                                  ("lam1", [2.0, -1.0, 2.0, -1.0], {"lam": 1.0})):
+        (runs / f"{name}.json").write_text(json.dumps(fake_run(0, rewards, config)))
+    lam_row = next(x for x in claims_page.page(*claims_page.load(runs)).splitlines()
+                   if "falls in that order" in x)
+    assert ("not resolved: the means fall in that order, but λ 1 against 0 is +0.50 ± 0.87"
+            in lam_row)
+
+
 def test_the_kept_page_is_what_its_kept_files_give():
     """docs/claims.md is the command's output from docs/runs/claims/, not typed in."""
     from tools import claims_page

@@ -198,7 +198,8 @@ def claims(runs, other):
         verdict = ("holds here" if ordered and g > 2 * se else
                    "in part: the ends fall past 2 SE, the middle is out of order" if g > 2 * se
                    else "does not hold here" if g < -2 * se else
-                   f"not resolved: λ {have[0].split()[-1] if have[0] else '0.95'} against "
+                   "not resolved: " + "the means fall in that order, but " * ordered +
+                   f"λ {have[0].split()[-1] if have[0] else '0.95'} against "
                    f"{have[-1].split()[-1] if have[-1] else '0.95'} is {pm(g, se)}, within 2 SE")
         missing_lams = [s or "--lam 0.95" for s in lams if s not in runs]
         verdict += f" ({', '.join(missing_lams)} not yet run)" * bool(missing_lams)
