@@ -288,6 +288,7 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
         assert lam_row.endswith(" (seed 2 not yet run) |" if seed == 1 else "out of order |")
         assert ("(seeds 0, 1)" if seed == 1 else "(seeds 0, 1, 2)") in lam_row
 
+
 def test_lambda_in_order_but_within_2_se_is_not_resolved_and_says_so(tmp_path):
     import json
     from tools import claims_page

@@ -144,12 +144,17 @@ def outside_note(runs, base):
     return "; but " + " and ".join(notes) if notes else ""
 
 
+def seed_list(seeds):
+    """'seed 0' or 'seeds 0, 1, 2'."""
+    seeds = sorted(seeds)
+    return f"seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}"
+
+
 def unrun_seeds(*groups):
     """' (seeds 1, 2 not yet run)': the seeds of SEEDS that a group ({seed: summary}) of the
     comparison lacks, or ''."""
-    lacking = sorted({s for group in groups for s in SEEDS if s not in group})
-    return (f" (seed{'s' * (len(lacking) > 1)} {', '.join(map(str, lacking))} not yet run)"
-            if lacking else "")
+    lacking = {s for group in groups for s in SEEDS if s not in group}
+    return f" ({seed_list(lacking)} not yet run)" if lacking else ""
 
 
 def versus(g, se):
@@ -192,7 +197,7 @@ def claims(runs, other):
         common = set.intersection(*(set(runs[s]) for s in have))   # the order on the same seeds
         means = {s: mean_of({n: runs[s][n] for n in common}, "reward") for s in have}
         text = "; ".join(f"λ {'0.95' if s == '' else s.split()[1]}: {means[s]:+.2f}" for s in have)
-        text += f" (seed{'s' * (len(common) > 1)} {', '.join(map(str, sorted(common)))})"
+        text += f" ({seed_list(common)})"
         g, se = gain(runs[have[0]], runs[have[-1]], "reward")
         ordered = all(means[a] >= means[b] for a, b in zip(have, have[1:]))
         verdict = ("holds here" if ordered and g > 2 * se else
@@ -412,7 +417,7 @@ def noise_row(runs, ppo, rloo, raft):
 
 def by_level(verdicts):
     """One verdict for the noise levels that agree, else one per level:
-    [(1, 'not resolved'), (3, 'not resolved')] -> 'not resolved at SD 1 and 3: within 2 SE'."""
+    [('1', 'not resolved'), ('3', 'not resolved')] -> 'not resolved at SD 1 and 3: within 2 SE'."""
     labels = {label for _, label in verdicts}
     if len(labels) == 1:
         label = labels.pop()
@@ -481,7 +486,7 @@ def dpo_row(groups):
     unrun = [f"{b:g}" for b in DPO_BETAS if f"dpo.py --beta {b:g}" not in firsts]
     verdict += f"; β {', '.join(unrun)} not yet run" * bool(unrun)
     verdict += (f"; best β on seed 0 by the implicit judge: {best.split()[-1]}, "
-                + (f"seed{'s' * (len(later) > 1)} {', '.join(map(str, later))} run" if later else
+                + (f"{seed_list(later)} run" if later else
                    "seeds 1, 2 not yet run")) if best and not unrun else ""
     return row("4", "004 (Huang et al.)", claim, command,
                "; ".join(cells) + f"; the explicit judge (content) {' / '.join(sorted(explicit))}"
