@@ -239,6 +239,16 @@ def fake_run(seed, rewards, config=None, ranks=None, **per_post):
             "machine": "a test CPU"}
 
 
+def test_outside_note_names_the_measures_that_fall_and_says_when_none_do():
+    from tools.claims_page import outside_note
+    base = {0: fake_run(0, [0.0] * 8)}
+    # ranks 1, 2, 3, 4 twice against 1 everywhere: MRR falls by 0.48 on every other post
+    worse = {0: fake_run(0, [0.0] * 8, ranks=[1, 2, 3, 4] * 2)}
+    assert outside_note(worse, base).startswith("; but MRR below by ")
+    assert "ROUGE-L" not in outside_note(worse, base)
+    assert outside_note(base, base) == "; neither MRR nor ROUGE-L below"
+
+
 def test_the_claims_page_from_kept_summaries(tmp_path):
     import json
     from tools import claims_page

@@ -135,13 +135,13 @@ def accuracy(m):
 
 def outside_note(runs, base):
     """'; but MRR below by 2.9 SE' for each measure the judge never saw that fell past 2 SE
-    against the baseline, or ''."""
+    against the baseline, or '; neither MRR nor ROUGE-L below' where none did."""
     notes = []
     for measure, name in (("mrr", "MRR"), ("rouge_l", "ROUGE-L")):
         g, se = gain(runs, base, measure)
         if g < -2 * se:
             notes.append(f"{name} below by {-g / se:.1f} SE")
-    return "; but " + " and ".join(notes) if notes else ""
+    return "; but " + " and ".join(notes) if notes else "; neither MRR nor ROUGE-L below"
 
 
 def seed_list(seeds):
