@@ -249,6 +249,14 @@ def test_outside_note_names_the_measures_that_fall_and_says_when_none_do():
     assert outside_note(base, base) == "; neither MRR nor ROUGE-L below"
 
 
+def test_a_gain_names_the_seeds_it_pairs_on_not_the_setting_s_own():
+    from tools.claims_page import judge_row
+    base = {0: fake_run(0, [0.0] * 4)}
+    runs = {0: fake_run(0, [1.0] * 4), 1: fake_run(1, [5.0] * 4)}   # seed 1 has no pair
+    assert judge_row(runs, base).startswith("judge +1.00")
+    assert judge_row(runs, base).endswith("vs β = 0.1 (1 seed)")
+
+
 def test_the_claims_page_from_kept_summaries(tmp_path):
     import json
     from tools import claims_page

@@ -175,13 +175,15 @@ def missing(number, reading, claim, command, what):
 
 
 def judge_row(runs, base, against="β = 0.1"):
-    """The measured cell of a setting against the baseline: judge, MRR, ROUGE-L gains."""
+    """The measured cell of a setting against the baseline: judge, MRR, ROUGE-L gains, paired
+    on the seeds both have (their count in brackets)."""
     cells = []
     for measure, name, digits in (("reward", "judge", 2), ("mrr", "MRR", 3),
                                   ("rouge_l", "ROUGE-L", 3)):
         g, se = gain(runs, base, measure)
         cells.append(f"{name} {pm(g, se, digits)}")
-    return ", ".join(cells) + f" vs {against} ({len(runs)} seed{'s' * (len(runs) > 1)})"
+    paired = len(set(runs) & set(base))
+    return ", ".join(cells) + f" vs {against} ({paired} seed{'s' * (paired > 1)})"
 
 
 def claims(runs, other):
@@ -264,8 +266,10 @@ def claims(runs, other):
         command = f"{ppo} {raft}"
         if raft in runs and rloo in runs:
             g, se = gain(runs[raft], runs[rloo], "reward")
-            copied = [mean_of(runs[s], "copied_bigrams") for s in (raft, rloo)]
-            kl = [mean_of(runs[s], "kl") for s in (raft, rloo)]
+            common = set(runs[raft]) & set(runs[rloo])      # the seeds the gains pair on
+            both = [{seed: runs[s][seed] for seed in common} for s in (raft, rloo)]
+            copied = [mean_of(r, "copied_bigrams") for r in both]
+            kl = [mean_of(r, "kl") for r in both]
             rows.append(row("3", "004 (Ahmadian et al.)", claim, command,
                             f"judge {pm(g, se)} against RLOO; " + judge_row(
                                 runs[raft], runs[rloo], "RLOO").split(", ", 1)[1] +
