@@ -144,6 +144,13 @@ def outside_note(runs, base):
     return "; but " + " and ".join(notes) if notes else "; neither MRR nor ROUGE-L below"
 
 
+def on_common_seeds(*groups):
+    """Each group ({seed: summary}) cut to the seeds every group has: means read on the same
+    seeds, as the paired gains are."""
+    common = set.intersection(*(set(g) for g in groups))
+    return [{seed: g[seed] for seed in common} for g in groups]
+
+
 def seed_list(seeds):
     """'seed 0' or 'seeds 0, 1, 2'."""
     seeds = sorted(seeds)
@@ -196,8 +203,9 @@ def claims(runs, other):
     claim = "λ from 1 to 0.95, 0.5 and 0: the reward falls in that order"
     have = [s for s in lams if s in runs]
     if base and len(have) >= 2:
-        common = set.intersection(*(set(runs[s]) for s in have))   # the order on the same seeds
-        means = {s: mean_of({n: runs[s][n] for n in common}, "reward") for s in have}
+        same = on_common_seeds(*(runs[s] for s in have))           # the order on the same seeds
+        common = same[0].keys()
+        means = {s: mean_of(r, "reward") for s, r in zip(have, same)}
         text = "; ".join(f"λ {'0.95' if s == '' else s.split()[1]}: {means[s]:+.2f}" for s in have)
         text += f" ({seed_list(common)})"
         g, se = gain(runs[have[0]], runs[have[-1]], "reward")
@@ -266,8 +274,7 @@ def claims(runs, other):
         command = f"{ppo} {raft}"
         if raft in runs and rloo in runs:
             g, se = gain(runs[raft], runs[rloo], "reward")
-            common = set(runs[raft]) & set(runs[rloo])      # the seeds the gains pair on
-            both = [{seed: runs[s][seed] for seed in common} for s in (raft, rloo)]
+            both = on_common_seeds(runs[raft], runs[rloo])     # the seeds the gains pair on
             copied = [mean_of(r, "copied_bigrams") for r in both]
             kl = [mean_of(r, "kl") for r in both]
             rows.append(row("3", "004 (Ahmadian et al.)", claim, command,
