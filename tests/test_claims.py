@@ -257,6 +257,17 @@ def test_a_gain_names_the_seeds_it_pairs_on_not_the_setting_s_own():
     assert judge_row(runs, base).endswith("vs β = 0.1 (1 seed)")
 
 
+def test_beta0_rows_say_not_resolved_where_nothing_moves_past_2_se():
+    from tools.claims_page import beta0_rows
+    plain = {0: fake_run(0, [2.0] * 4, copied_bigrams=[0.5] * 4, question=[True, False] * 2)}
+    # copied -0.05, +0.05 by post: 0 ± 0.05; questions the same: neither falls nor rises
+    ent = {0: fake_run(0, [2.0] * 4, copied_bigrams=[0.45, 0.55] * 2,
+                       question=[True, False] * 2)}
+    row = beta0_rows({"--beta 0": plain, "--beta 0 --ent-coef 0.01": ent})[0]
+    assert "copied bigrams +0.00 ± 0.03 against β = 0 alone" in row[4]
+    assert row[5] == "not resolved: neither falls past 2 SE (seeds 1, 2 not yet run)"
+
+
 def test_the_claims_page_from_kept_summaries(tmp_path):
     import json
     from tools import claims_page
@@ -352,7 +363,7 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
         "ent": fake_run(0, [2.0] * 4, {**beta0, "ent_coef": 0.01},
                         copied_bigrams=[0.1, 0.2, 0.1, 0.2], question=[False] * 4),
         "ptx": fake_run(0, [2.0] * 4, {**beta0, "ptx_coef": 1.0},
-                        copied_bigrams=[0.5] * 4, question=[True, True, False, False]),
+                        copied_bigrams=[0.6, 0.7] * 2, question=[True, True, False, False]),
         "optimum": {"samples": 4, "posts": 4, "kl_cap": math.log(4), "machine": "a test CPU",
                     "optimum": [{"beta": 0.1, "kl": 1.2, "reward": 1.0, "reward_se": 0.1}],
                     "best_of_n": [{"n": n, "kl": math.log(n) - (n - 1) / n} for n in (1, 2, 3, 4)],
@@ -382,7 +393,8 @@ def test_the_noise_beta_zero_and_optimum_rows_by_hand(tmp_path):
     assert "in part: copied bigrams" in line("entropy bonus")
     # tier 2 asks three seeds only where a sign is within 2 SE: questions are, here
     assert line("entropy bonus").endswith("fall past 2 SE (seeds 1, 2 not yet run) |")
-    assert "does not hold here" in line("supervised loss (13)")
+    # supervised loss: copied +0.15 ± 0.03 (above), questions unchanged
+    assert "does not hold here: copied bigrams rise past 2 SE" in line("supervised loss (13)")
     # PPO: +0.50 on every post at KL 1.00. The optimum at β = 0.1 of (0, 0, 0, 1 + 0.1 i):
     # weight e^{10 r} / sum; best of n with KL <= 1: n = 4 (KL 0.64), the top score 1 + 0.1 i,
     # mean 1.15: PPO against it -0.65 ± 0.06 (SE over posts of 0.1 i: 0.129 / 2)

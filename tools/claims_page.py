@@ -455,15 +455,18 @@ def beta0_rows(runs):
         changes = [(name, *gain(runs[setting], plain, key))
                    for key, name in (("copied_bigrams", "copied bigrams"),
                                      ("question", "questions"))]
-        fell = [name for name, g, se in changes if g < -2 * se]
+        fell = [name for name, g, se in changes if versus(g, se) == "below"]
+        rose = [name for name, g, se in changes if versus(g, se) == "above"]
         rows.append(row("6", "000 (the post)", claim, command,
                         "; ".join(f"{name} {pm(g, se)} against β = 0 alone"
                                   for name, g, se in changes) + "; " +
                         judge_row(runs[setting], plain, "β = 0"),
                         ("holds here" if len(fell) == len(changes) else
                          "in part: " + ", ".join(fell) + " fall past 2 SE" if fell else
-                         "does not hold here") + unrun_seeds(runs[setting], plain) * any(
-                             versus(g, se) == "within 2 SE" for _, g, se in changes)))
+                         "does not hold here: " + " and ".join(rose) + " rise past 2 SE"
+                         if rose else "not resolved: neither falls past 2 SE")
+                        + unrun_seeds(runs[setting], plain) * any(
+                            versus(g, se) == "within 2 SE" for _, g, se in changes)))
     return rows
 
 
