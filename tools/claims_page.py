@@ -455,19 +455,28 @@ def beta0_rows(runs):
         changes = [(name, *gain(runs[setting], plain, key))
                    for key, name in (("copied_bigrams", "copied bigrams"),
                                      ("question", "questions"))]
-        fell = [name for name, g, se in changes if versus(g, se) == "below"]
-        rose = [name for name, g, se in changes if versus(g, se) == "above"]
+        sides = {name: versus(g, se) for name, g, se in changes}
         rows.append(row("6", "000 (the post)", claim, command,
                         "; ".join(f"{name} {pm(g, se)} against β = 0 alone"
                                   for name, g, se in changes) + "; " +
                         judge_row(runs[setting], plain, "β = 0"),
-                        ("holds here" if len(fell) == len(changes) else
-                         "in part: " + ", ".join(fell) + " fall past 2 SE" if fell else
-                         "does not hold here: " + " and ".join(rose) + " rise past 2 SE"
-                         if rose else "not resolved: neither falls past 2 SE")
-                        + unrun_seeds(runs[setting], plain) * any(
-                            versus(g, se) == "within 2 SE" for _, g, se in changes)))
+                        stops_verdict(sides) + unrun_seeds(runs[setting], plain) * (
+                            "within 2 SE" in sides.values())))
     return rows
+
+
+def stops_verdict(sides):
+    """Item 6's verdict from each measure's side ({name: versus(...)}): the claim is that
+    every one of them falls."""
+    fell = [name for name, side in sides.items() if side == "below"]
+    rose = [name for name, side in sides.items() if side == "above"]
+    if len(fell) == len(sides):
+        return "holds here"
+    if fell:
+        return "in part: " + ", ".join(fell) + " fall past 2 SE"
+    if rose:
+        return "does not hold here: " + " and ".join(rose) + " rise past 2 SE"
+    return "not resolved: neither falls past 2 SE"
 
 
 def dpo_row(groups):
