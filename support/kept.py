@@ -21,6 +21,8 @@ import json
 import platform
 from pathlib import Path
 
+import torch
+
 from support import cli
 from support.quality import words
 
@@ -42,7 +44,19 @@ def machine():
     sets = ["AVX-512" if "avx512f" in flags else ("AVX2, no AVX-512" if "avx2" in flags
                                                   else "no AVX2")]
     sets += ["AVX512-BF16"] * ("avx512_bf16" in flags) + ["AMX"] * ("amx_tile" in flags)
-    return f"{name} ({', '.join(sets)})"
+    return f"{name} ({', '.join(sets)}{_kernels_held_back(flags)})"
+
+
+def _kernels_held_back(flags):
+    """'; kernels as AVX2' when PyTorch was told to use fewer instructions than the CPU has
+    (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU: the numbers are then an AVX2 machine's,
+    to the last bit, and the time is not this CPU's); '' otherwise."""
+    have = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "DEFAULT"
+    used = torch.backends.cpu.get_cpu_capability()
+    order = ["DEFAULT", "AVX2", "AVX512"]
+    if used in order and order.index(used) < order.index(have):
+        return f"; kernels as {used if used != 'DEFAULT' else 'no AVX2'}"
+    return ""
 
 
 def _strip(value, keep_text):

@@ -462,3 +462,14 @@ def test_a_kept_summary_keeps_numbers_and_words_not_texts():
     assert all(r["words"] == 2 and "ids" not in r and r["reward"] == 0.1 * i
                for i, r in enumerate(rows))
     assert isinstance(machine(), str) and machine()
+
+
+def test_a_machine_run_with_fewer_instructions_says_so(monkeypatch):
+    from support import kept
+    avx512 = {"avx2", "avx512f"}
+    for used, label in [("AVX512", ""), ("AVX2", "; kernels as AVX2"),
+                        ("DEFAULT", "; kernels as no AVX2")]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: used)
+        assert kept._kernels_held_back(avx512) == label
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert kept._kernels_held_back({"avx2"}) == ""                 # AVX2 on an AVX2 CPU
