@@ -473,3 +473,14 @@ def test_a_machine_run_with_fewer_instructions_says_so(monkeypatch):
         assert kept._kernels_held_back(avx512) == label
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert kept._kernels_held_back({"avx2"}) == ""                 # AVX2 on an AVX2 CPU
+
+
+def test_runs_held_to_avx2_are_checked_against_their_seeds_baseline():
+    from tools.claims_page import held_back
+    base = {seed: fake_run(seed, [0.0] * 4) for seed in (0, 1)}
+    held = {seed: {**fake_run(seed, [0.0] * 4, {"target_kl": 1.0}),
+                   "machine": "a test CPU (AVX-512; kernels as AVX2)"} for seed in (0, 1)}
+    assert held_back({"": base, "--target-kl 1": {}}) == ""          # none held back
+    assert "each of the 2 such runs" in held_back({"": base, "--target-kl 1": held})
+    held[1]["iterations"] = [{**held[1]["iterations"][0], "reward": 0.5}]
+    assert "only 1 of the 2 such runs" in held_back({"": base, "--target-kl 1": held})

@@ -610,6 +610,28 @@ def settings_table(runs, dpo=None):
     return markdown_table(COLUMNS, rows)
 
 
+def held_back(runs):
+    """A sentence on the runs whose machine ran PyTorch's kernels with fewer instructions than
+    it has ("kernels as AVX2": ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU, support/kept.py):
+    whether each one's first batch, drawn before any update from the same SFT model, scored
+    by the same judge, has the judge's reward of its seed's β = 0.1 run to the last bit (it
+    should when both are an AVX2 machine's numbers); '' when there are none."""
+    base = runs.get("", {})
+    same = [run["iterations"][0]["reward"] == base[seed]["iterations"][0]["reward"]
+            for group in runs.values() for seed, run in group.items()
+            if "kernels as" in run["machine"] and seed in base
+            and "kernels as" not in base[seed]["machine"]
+            and all(run["config"].get(k, BASE[k]) == BASE[k]
+                    for k in ("batch", "samples_per_prompt"))]
+    if not same:
+        return ""
+    which = f"each of the {len(same)}" if all(same) else f"only {sum(same)} of the {len(same)}"
+    return (" \"Kernels as AVX2\": PyTorch held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`) on a "
+            "CPU with AVX-512, the SFT model and judge retrained there so; the first batch of "
+            f"{which} such runs has, to the last bit, the judge's reward of its seed's "
+            "β = 0.1 run on the AVX2 machine.")
+
+
 # ------------------------------------------------------------------------ plots
 
 def plot_lambda(runs, path):
@@ -723,7 +745,8 @@ def page(runs, other):
         "seeds both have), the share of tokens the "
         "clipped loss clipped (mean over iterations and inner steps) and the ratio "
         "π_θ / π_old after the last inner step (lowest and highest over every iteration's "
-        "tokens). Machines: " + ("; ".join(machines) if machines else "none yet") + ".",
+        "tokens). Machines: " + ("; ".join(machines) if machines else "none yet") + "."
+        + held_back(runs),
         "",
         settings_table(runs, dpo_groups(other)) if runs else "No run is kept yet.",
         "",
