@@ -484,3 +484,14 @@ def test_runs_held_to_avx2_are_checked_against_their_seeds_baseline():
     assert "each of the 2 such runs" in held_back({"": base, "--target-kl 1": held})
     held[1]["iterations"] = [{**held[1]["iterations"][0], "reward": 0.5}]
     assert "only 1 of the 2 such runs" in held_back({"": base, "--target-kl 1": held})
+
+
+def test_the_controllers_row_gives_each_seeds_last_beta():
+    from tools.claims_page import claims
+    runs = {"": {s: fake_run(s, [0.0] * 4) for s in (0, 1)}, "--target-kl 1": {}}
+    for seed, beta in ((1, 0.2), (0, 0.05)):            # kept out of seed order
+        run = fake_run(seed, [0.0] * 4, {"target_kl": 1.0})
+        run["iterations"][-1]["beta"] = beta
+        runs["--target-kl 1"][seed] = run
+    row = next(r for r in claims(runs, {}) if "target 1 nat" in r[2])
+    assert "β at the end 0.050 / 0.200 (seeds 0, 1)" in row[4]

@@ -322,9 +322,11 @@ def claims(runs, other):
         held = ""
         if "--target-kl" in setting:        # the controller's own job: KL near its target
             last = [x for r in runs[setting].values() for x in r["iterations"][-LAST:]]
+            seeds = sorted(runs[setting])
+            ends = " / ".join(f"{runs[setting][s]['iterations'][-1]['beta']:.3f}" for s in seeds)
             held = (f"; the batch's KL over the last {LAST} iterations "
                     f"{sum(x['kl'] for x in last) / len(last):.2f} against its target "
-                    f"{setting.split()[-1]}, β at the end {last[-1]['beta']:.3f}")
+                    f"{setting.split()[-1]}, β at the end {ends} ({seed_list(seeds)})")
         rows.append(row("5", "004 (Stiennon, Huang et al.)", claim, command,
                         judge_row(runs[setting], base) + held +
                         (f"; {name} " + (f"{pm(100 * g, 100 * se, 0)} points" if measure ==
