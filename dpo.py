@@ -16,9 +16,11 @@ Departures from Rafailov et al. (each repeated at its line):
        policy (lora.with_lora); the reference is the SFT model, frozen. The paper tunes
        every weight.
     2. The data: the comparisons people made that the judge in --reward-model trained on,
-       split by post as it split them (support/rm_data.py with the judge's seed; its
-       summaries cut to its --max-summary-tokens, then EOS), not the judge's extra reference
-       and off-post pairs; prompts cut to --prompt-tokens (the judge's cpu preset: 128 too).
+       split by post as it split them (the settings its config.json saves: seed, held-out
+       fraction, training subset, summary cut, and a fingerprint of the split, checked; a
+       judge without them is refused), not the judge's extra reference and off-post pairs;
+       prompts cut to --prompt-tokens (the judge's cpu preset: 128 too). Like for like with
+       the judge (issue 75): `--steps 0` makes one pass over all its training comparisons.
     3. Batches drawn as sft.py draws them (`loaders.batch_for`); the cpu preset stops after
        --steps, before one pass over the pairs; constant learning rate.
     4. Log-probs through ppo.py's fused path (`ppo.token_log_probs`: fp32, logits at the
@@ -29,7 +31,10 @@ Departures from Rafailov et al. (each repeated at its line):
        logps/chosen, logps/rejected, loss), a row per --log-every steps.
     6. The evaluation: the implicit judge (D1) on the judge's held-out pairs (the first
        --heldout-pairs; its accuracy with ties counted one half and its Wilson interval,
-       (R4)), beside the explicit judge's content and full scores on the same token ids;
+       (R4)), beside the explicit judge's content and full scores on the same token ids,
+       and all three beside rules that never read the summary (which system wrote it, the
+       longer wins, the SFT model's log-prob), on distinct pairs, by contrast, paired
+       (support/judge_baselines.py);
        and the policy sampled on ppo.py's held-out posts as ppo.py samples a run
        (support/heldout.py, `ppo.rollouts`), so its row sits beside PPO's.
 
@@ -56,7 +61,7 @@ import loaders
 import ppo
 import reward_model as rm
 from lora import save_adapter, with_lora
-from support import cli, disk, rm_data
+from support import cli, disk, judge_baselines, rm_data
 from support.config import option, read_config
 from support.heldout import keep_for_judge, policy_row, reference_and_human, write_samples_page
 from support.quality import words
@@ -241,10 +246,12 @@ def train(policy, reference, pairs, cfg, pad_id, device):
 
 # ------------------------------------------------------------------------ evaluation
 
-def judges_on_heldout(policy, reference, judge, pairs, cfg, split, device):
+def judges_on_heldout(policy, reference, judge, pairs, train_pairs, cfg, split, device):
     """The implicit judge (D1) and the explicit judge's two scores (R5) on the same held-out
     pairs: {"pairs", "implicit", "content", "full"}, each part `pair_metrics` (accuracy,
-    Wilson interval (R4), accuracy where people chose the shorter summary, ...)."""
+    Wilson interval (R4), accuracy where people chose the shorter summary, ...); and
+    "baselines": the three judges beside the rules that never read the summary, on distinct
+    pairs, by contrast (support/judge_baselines.py; the SFT rule is the reference's log pi)."""
     pad_id = judge.settings["pad_id"]
     logp_w, logp_l = log_probs_of(policy, pairs, cfg.micro_batch, pad_id, device,
                                   "held-out pairs (policy)")
@@ -252,24 +259,51 @@ def judges_on_heldout(policy, reference, judge, pairs, cfg, split, device):
                                 "held-out pairs (reference)")
     len_w = torch.tensor([p["chosen_len"] for p in pairs])                  # (n,) tokens
     len_l = torch.tensor([p["rejected_len"] for p in pairs])                # (n,) tokens
-    implicit = pair_metrics(implicit_reward(logp_w, ref_w, cfg.beta).cpu(),
-                            implicit_reward(logp_l, ref_l, cfg.beta).cpu(), len_w, len_l)
-    explicit, _, _ = rm.evaluate(judge, pairs, split)                       # content, full
-    return {"pairs": len(pairs), "implicit": implicit, **explicit}
+    r_w = implicit_reward(logp_w, ref_w, cfg.beta).cpu()                    # (n,)
+    r_l = implicit_reward(logp_l, ref_l, cfg.beta).cpu()                    # (n,)
+    implicit = pair_metrics(r_w, r_l, len_w, len_l)
+    explicit, scores = rm.evaluate(judge, pairs, split)                     # content, full
+    baselines = judge_baselines.baselines(train_pairs, pairs, {"implicit": (r_w, r_l), **scores},
+                                          logp=(ref_w, ref_l))
+    return {"pairs": len(pairs), "implicit": implicit, **explicit, "baselines": baselines,
+            "split_fingerprint": judge.settings["split"]["fingerprint"]}
 
 
 # ---------------------------------------------------------- plumbing: the run and main
 
+# What the judge's config.json must say of its split (reward_model.py's `split_settings`).
+SPLIT = ("seed", "heldout_fraction", "max_pairs", "max_heldout_pairs", "max_summary_tokens",
+         "fingerprint")
+
+
 def judge_split(cfg, judge):
-    """reward_model.py's settings that decide its comparisons, split and cut (departure 2):
-    the judge's seed and summary cut, this run's prompt budget and held-out count."""
-    settings = judge.settings
-    if settings["max_prompt_tokens"] != cfg.prompt_tokens:
-        print(f"note: the judge read prompts cut to {settings['max_prompt_tokens']} tokens, "
+    """reward_model.py's settings that decide its comparisons, split and cut (departure 2),
+    from its config.json: its seed, held-out fraction, training subset and summary cut;
+    this run's prompt budget, and this run's held-out count within the judge's. A judge
+    that does not say them (an older reward_model.py) stops the run with one line."""
+    saved = judge.settings.get("split")
+    if not isinstance(saved, dict) or not set(SPLIT) <= set(saved):
+        raise cli.UserError(f"{cfg.reward_model}/config.json does not say how the judge split "
+                            "its comparisons (heldout_fraction, max_pairs, ...): written by an "
+                            "older reward_model.py; retrain it with `python reward_model.py`")
+    if judge.settings["max_prompt_tokens"] != cfg.prompt_tokens:
+        print(f"note: the judge read prompts cut to {judge.settings['max_prompt_tokens']} tokens, "
               f"this run cuts them to {cfg.prompt_tokens}: both judges read the latter")
-    return rm.Config(seed=settings["seed"], max_summary_tokens=settings["max_summary_tokens"],
-                     max_prompt_tokens=cfg.prompt_tokens, max_heldout_pairs=cfg.heldout_pairs,
+    heldout = min(n for n in (cfg.heldout_pairs, saved["max_heldout_pairs"], 10 ** 9) if n)
+    return rm.Config(seed=saved["seed"], heldout_fraction=saved["heldout_fraction"],
+                     max_pairs=saved["max_pairs"], max_summary_tokens=saved["max_summary_tokens"],
+                     max_prompt_tokens=cfg.prompt_tokens,
+                     max_heldout_pairs=0 if heldout == 10 ** 9 else heldout,
                      min_heldout_pairs=0, data_dir=cfg.data_dir or "", model=cfg.model)
+
+
+def check_split(data, judge, cfg):
+    """Stop with one line when the comparisons here split otherwise than the judge's did
+    (another data folder, or other data in it): both judges must see the same pairs."""
+    if rm_data.split_fingerprint(data) != judge.settings["split"]["fingerprint"]:
+        raise cli.UserError(f"the comparisons of --data-dir {cfg.data_dir or '(default)'} do not "
+                            f"split as {cfg.reward_model}'s did (another data folder?); pass "
+                            "the judge's --data-dir, or retrain the judge on this one")
 
 
 def sampling_config(cfg, device):
@@ -293,6 +327,7 @@ def run(cfg, staging, start):
     judge = rm.load_reward_model(cfg.reward_model, device=device)
     split = judge_split(cfg, judge)
     data = rm_data.load_and_split(split)        # departure 2: the judge's comparisons, split
+    check_split(data, judge, cfg)
     reference, tokenizer = loaders.load_policy_and_tokenizer(cfg.model, preset=cfg.preset,
                                                              device=device)
     train_pairs, heldout_pairs = rm_data.comparison_pairs(tokenizer, data, split)
@@ -310,7 +345,8 @@ def run(cfg, staging, start):
     curve = train(policy, reference, train_pairs, cfg, pad_id, device)
     keep_for_judge(sampling, base)              # as ppo.py does, once a run has trained
 
-    judges = judges_on_heldout(policy, reference, judge, heldout_pairs, cfg, split, device)
+    judges = judges_on_heldout(policy, reference, judge, heldout_pairs, train_pairs, cfg,
+                               split, device)
     final, samples = policy_row(sampling, cfg.seed, policy, models, held_out, base,
                                 ppo.rollouts, judges=judges)
     final["words"] = sum(len(words(s["text"])) for s in samples) / len(samples)
@@ -354,6 +390,7 @@ def print_summary(final, cfg):
         m = judges[name]
         print(f"  {name:>8} judge: accuracy {m['heldout_accuracy']:.3f} (Wilson 95% "
               f"{m['wilson_low']:.3f}-{m['wilson_high']:.3f})")
+    judge_baselines.print_baselines(judges["baselines"], ("implicit", "content", "full"))
     print_row_header()
     print_row("DPO", final)
     print_row("(ref)", final["ref"])

@@ -110,7 +110,7 @@ from transformers import DynamicCache
 import loaders
 import lora
 from gae import ended_with_eos, last_token_index
-from support import cli, rm_data, rm_report
+from support import cli, judge_baselines, rm_data, rm_report
 from support.config import option, read_config
 from support.disk import check_room, holding, write_aside
 from support.rm_data import pad
@@ -589,7 +589,7 @@ def train(model, pairs, config):
 # ------------------------------------------------------------------ evaluation and report
 
 def evaluate(model, pairs, config):
-    """Both scores' held-out metrics ({part: pair_metrics}) and the content scores (n,) x 2."""
+    """Both scores' held-out metrics ({part: pair_metrics}) and scores ({part: (r_w, r_l)})."""
     n = len(pairs)
     f = score_grouped(model, [p["prompt"] for p in pairs] * 2,
                       [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
@@ -597,11 +597,11 @@ def evaluate(model, pairs, config):
     len_w = torch.tensor([p["chosen_len"] for p in pairs])                  # (n,) tokens
     len_l = torch.tensor([p["rejected_len"] for p in pairs])                # (n,) tokens
     tokens = [p["chosen_tokens"] for p in pairs] + [p["rejected_tokens"] for p in pairs]
-    by_part = {}
+    by_part, scores = {}, {}
     for part in PARTS:
         r = model.score_part(f, tokens, part)                               # (2n,)
-        by_part[part] = pair_metrics(r[:n], r[n:], len_w, len_l)
-    return by_part, f[:n], f[n:]
+        by_part[part], scores[part] = pair_metrics(r[:n], r[n:], len_w, len_l), (r[:n], r[n:])
+    return by_part, scores
 
 
 def reference_gap(model, encoded, samples, config):
@@ -660,6 +660,7 @@ def run(config, staging, start):
     model, tokenizer = build_for_run(config, device)
     check_room(config.out, saved_bytes(model), f"the reward model in {config.out}")
     human_pairs, heldout_pairs = rm_data.comparison_pairs(tokenizer, data, config)
+    model.settings["split"] = rm_data.split_settings(config, data)      # dpo.py rebuilds it
     # The held-out posts' human TL;DRs: (R3) and the human-minus-reference gap.
     encoded, sources = rm_data.heldout_references(tokenizer, data, config)
     # SmolLM2's own samples: departure 7's and 9's pairs, and the gap's other side.
@@ -677,7 +678,9 @@ def run(config, staging, start):
     losses, train_accuracy = train(model, train_pairs, config)
     sources = normalise(model, encoded, heldout_pairs, config) or sources           # (R3)
 
-    by_part, f_w, f_l = evaluate(model, heldout_pairs, config)
+    by_part, scores = evaluate(model, heldout_pairs, config)
+    (f_w, f_l), baselines = scores["content"], judge_baselines.baselines(   # issue 75
+        human_pairs, heldout_pairs, scores)
     gap = reference_gap(model, encoded, gap_samples, config) if encoded else None
     metrics, extra = rm_report.collect_metrics(by_part, heldout_pairs, gap,
                                                model.length_weight.item(), DEFAULT_PART)
@@ -690,7 +693,8 @@ def run(config, staging, start):
         score, tokenizer, rm_data.evaluation_reserve(tokenizer, data, config), encoded,
         gap_samples, config)
     metrics.update(rm_report.relevance_metrics(extra["relevance"]))
-    extra.update(preset=config.preset, normalisation_bias=model.bias.item(),
+    metrics.update(judge_baselines.headline(baselines))
+    extra.update(baselines=baselines, preset=config.preset, normalisation_bias=model.bias.item(),
                  normalisation_sources=sources, train_accuracy=train_accuracy,
                  human_train_pairs=len(human_pairs), sampling_seconds=sampling_seconds,
                  # the first held-out pair's content scores, for the round-trip test
@@ -702,6 +706,7 @@ def run(config, staging, start):
         metrics["seconds"] = time.time() - start
         (staging / "metrics.json").write_text(json.dumps({**metrics, "extra": extra}, indent=2))
     rm_report.print_summary(metrics, extra, PARTS)
+    judge_baselines.print_baselines(baselines, PARTS)
     return metrics
 
 

@@ -4,7 +4,9 @@ reward_model.py fits a Bradley-Terry model; this file says on what, and keeps ev
 that serves in evaluation out of training (departure 7):
     load_and_split       the comparisons split by post id (held out: never trained on), the
                          TL;DR posts, and the titles of ppo.py's evaluation reserve
-    prepare_pairs        comparisons -> token ids laid out as PPO produces them (`encode`)
+    prepare_pairs        comparisons -> token ids laid out as PPO produces them (`encode`),
+                         each with its distinct pair's id (`pair_id`) and its two systems
+    split_settings       what the split depends on, saved with the judge (dpo.py reads it)
     heldout_references   the held-out posts' human TL;DRs, for (R3) and the gap
     sample_reference     SmolLM2's own summaries, sampled with the post's settings
     reference_pairs      departure 7: a post's human TL;DR beats SmolLM2's sample
@@ -12,6 +14,7 @@ that serves in evaluation out of training (departure 7):
     sample_reference_phase    the samples and both kinds of extra pairs, for one run
 Test: pytest tests/test_reward_model.py
 """
+import hashlib
 import random
 import time
 from dataclasses import dataclass
@@ -158,7 +161,9 @@ def prepare_pairs(tokenizer, comparisons, config):
             prompts[c["post_id"]] = loaders.fit_prompt(tokenizer, c, config.max_prompt_tokens)
         if prompts[c["post_id"]] is None:
             continue
-        pair = {"post_id": c["post_id"]}
+        # which comparison it is, for the rules that do not read the summary (judge_baselines)
+        pair = {"post_id": c["post_id"], "pair": pair_id(c["post_id"], c["chosen"], c["rejected"]),
+                "chosen_policy": c["chosen_policy"], "rejected_policy": c["rejected_policy"]}
         for side in ("chosen", "rejected"):
             pair["prompt"], pair[side] = encode(tokenizer, prompts[c["post_id"]], c[side],
                                                 config.max_summary_tokens)
@@ -169,6 +174,33 @@ def prepare_pairs(tokenizer, comparisons, config):
         print(f"dropped {len(comparisons) - len(pairs)} comparisons whose title alone "
               f"exceeds {config.max_prompt_tokens} tokens")
     return pairs
+
+
+def pair_id(post_id, a, b):
+    """A distinct pair: its post and its two summaries, unordered (a repeated vote on the same
+    two texts gets the same id, whichever was chosen)."""
+    texts = "\n".join(sorted((a.strip(), b.strip())))
+    return f"{post_id}:{hashlib.sha256(texts.encode()).hexdigest()[:12]}"
+
+
+def split_settings(config, data):
+    """What the judge's split depends on, saved in its config.json for dpo.py to rebuild it:
+    the flags, and a fingerprint of the comparisons on each side (another data folder, or
+    another split of the same one, gives another fingerprint)."""
+    return {"seed": config.seed, "heldout_fraction": config.heldout_fraction,
+            "max_pairs": config.max_pairs, "max_heldout_pairs": config.max_heldout_pairs,
+            "max_prompt_tokens": config.max_prompt_tokens,
+            "max_summary_tokens": config.max_summary_tokens,
+            "fingerprint": split_fingerprint(data)}
+
+
+def split_fingerprint(data):
+    """16 hex digits of a hash of the training and held-out comparisons, in order."""
+    digest = hashlib.sha256()
+    for side, comparisons in (("train", data.train), ("heldout", data.heldout)):
+        for c in comparisons:
+            digest.update(f"{side}\t{c['post_id']}\t{c['chosen']}\t{c['rejected']}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def serves_in_evaluation(comparison, reserved_titles):

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
 
 import loaders  # noqa: E402
 import reward_model as rm  # noqa: E402
+from support import rm_data  # noqa: E402
 from test_reward_model import tiny_model  # noqa: E402
 
 
@@ -114,14 +115,17 @@ def judge_data(tmp_path_factory, tldr_posts, data_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_judge(tmp_path_factory):
+def tiny_judge(tmp_path_factory, data_dir):
     """An untrained tiny reward model's folder, in a second, for the tests that only load
     and call one: a non-zero adapter, and a length weight and bias, so that every term of
-    its score takes part and `content` differs from `full`."""
+    its score takes part and `content` differs from `full`. Its config.json says how the
+    tiny preset splits the comparisons of `data_dir`, as reward_model.py's would."""
     model, _ = tiny_model()
     with torch.no_grad():
         model.length_weight.fill_(0.5)
         model.bias.fill_(-0.25)
+    config = rm.Config(**{**rm.PRESETS["tiny"], "data_dir": str(data_dir or "")})
+    model.settings["split"] = rm_data.split_settings(config, rm_data.load_and_split(config))
     out = tmp_path_factory.mktemp("judge") / "reward_model"
     out.mkdir()
     rm.save_reward_model(model, out)
