@@ -1,0 +1,129 @@
+"""The judge's held-out accuracy beside three rules that never read the summary (issue 75).
+
+    python -m tools.judge_baselines --out docs/runs/judge/baselines_seed0.json     # rules only
+    OMP_NUM_THREADS=1 python -m tools.judge_baselines --reward-model runs/reward_model \\
+        --sft runs/sft --out docs/runs/judge/baselines_seed0.json                  # and both models
+    python -m tools.judge_baselines --table docs/runs/judge/baselines_seed0.json   # the page's table
+
+Rebuilds the judge's split of people's comparisons (from its config.json; a judge written
+before it saved its split gets the cpu preset's with its seed, and the file says so), then
+scores every held-out comparison by the rules of support/judge_baselines.py (which system
+wrote it, the longer wins, and with --sft the SFT model's higher log-probability) and, with
+--reward-model, by the judge's content and full scores, and writes the accuracies on
+distinct pairs, by contrast, each judge against each rule paired, and every vote's
+right-or-wrong (for `judge_baselines.dpo_near_chance`) into --out. The rules need no model
+and no machine; the judges' and the SFT model's scores name the CPU that made them.
+docs/reward_model.md's table is `--table` on the kept file (tests/test_judge_baselines.py
+checks that they agree).
+"""
+import argparse
+import json
+from pathlib import Path
+
+import dpo
+import loaders
+import reward_model as rm
+from support import cli, judge_baselines, rm_data
+from support.kept import machine
+
+SCORERS = (("content", "judge, content"), ("full", "judge, full"), ("system", "which system"),
+           ("length", "the longer"), ("sft", "SFT log-prob"))
+
+
+def split_config(args, judge):
+    """reward_model.Config of the judge's split: its saved settings, or (before it saved
+    them) the cpu preset's with its seed. Returns (config, where the settings came from)."""
+    if judge is not None and "split" in judge.settings:
+        s = judge.settings["split"]
+        return rm.Config(**{**rm.PRESETS["cpu"], "seed": s["seed"],
+                            "heldout_fraction": s["heldout_fraction"], "max_pairs": s["max_pairs"],
+                            "max_heldout_pairs": s["max_heldout_pairs"],
+                            "max_prompt_tokens": s["max_prompt_tokens"],
+                            "max_summary_tokens": s["max_summary_tokens"],
+                            "data_dir": args.data_dir or ""}), "the judge's config.json"
+    seed = judge.settings["seed"] if judge is not None else args.seed
+    where = ("assumed: the cpu preset with the judge's seed (its config.json predates the "
+             "saved split)" if judge is not None else "the cpu preset")
+    return rm.Config(**{**rm.PRESETS["cpu"], "seed": seed, "data_dir": args.data_dir or ""}), where
+
+
+def measure(args):
+    """The kept file's dict (see the docstring)."""
+    device = loaders.pick_device()
+    judge = rm.load_reward_model(args.reward_model, device) if args.reward_model else None
+    config, where = split_config(args, judge)
+    data = rm_data.load_and_split(config)
+    fingerprint = rm_data.split_fingerprint(data)
+    if judge is not None and "split" in judge.settings \
+            and judge.settings["split"]["fingerprint"] != fingerprint:
+        raise cli.UserError(f"the comparisons here do not split as {args.reward_model}'s did "
+                            "(another data folder?); pass its --data-dir")
+    tokenizer = loaders.load_tokenizer()
+    train_pairs, heldout_pairs = rm_data.comparison_pairs(tokenizer, data, config)
+    scores = rm.evaluate(judge, heldout_pairs, config)[1] if judge is not None else {}
+    logp = None
+    if args.sft:
+        lm, _ = loaders.load_policy_and_tokenizer(args.sft, device=device)
+        logp = dpo.log_probs_of(lm, heldout_pairs, 4, tokenizer.pad_token_id, device,
+                                "held-out pairs (SFT)")
+    out = {"judge": args.reward_model, "sft": args.sft, "split_settings": where,
+           "split_fingerprint": fingerprint, "seed": config.seed,
+           "heldout_rows": len(heldout_pairs), "train_comparisons": len(train_pairs),
+           "machine": machine() if (judge is not None or args.sft) else None,
+           **judge_baselines.baselines(train_pairs, heldout_pairs, scores, logp)}
+    return out
+
+
+def cell(a):
+    """An accuracy and its Wilson interval on distinct pairs."""
+    return f"{a['accuracy']:.3f} [{a['wilson'][0]:.3f}, {a['wilson'][1]:.3f}]"
+
+
+def table(kept):
+    """The page's markdown: a row per group; each scorer's accuracy on distinct pairs; then
+    each judge minus the system and length rules (and the SFT one when kept), paired."""
+    groups = kept["groups"]
+    present = [(k, name) for k, name in SCORERS if k in groups["all"]["accuracy"]]
+    judges = [k for k, _ in present if k not in judge_baselines.RULES]
+    rules = [k for k, _ in present if k in judge_baselines.RULES]
+    head = ["held-out pairs (distinct / votes)", *[name for _, name in present],
+            *[f"{j} − {r}" for j in judges for r in rules]]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for group, g in groups.items():
+        row = [f"{group} ({g['pairs']} / {g['rows']})",
+               *[cell(g["accuracy"][k]) for k, _ in present],
+               *[f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+                 for j in judges for d in (g["paired"][j][r] for r in rules)]]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reward-model", default=None, help="a judge's folder: its split, "
+                        "and its content and full scores beside the rules")
+    parser.add_argument("--sft", default=None, help="the SFT model (runs/sft): its "
+                        "log-probability rule")
+    parser.add_argument("--seed", type=int, default=0, help="the split's seed without a judge")
+    parser.add_argument("--data-dir", default=None, help="as reward_model.py's")
+    parser.add_argument("--out", default=None, help="write the kept JSON here")
+    parser.add_argument("--table", default=None, help="print the markdown table of a kept "
+                                                      "JSON, and nothing else")
+    args = parser.parse_args(argv)
+    if args.table:
+        with cli.reading(Path(args.table), "a file written by tools.judge_baselines", KeyError):
+            print(table(json.loads(Path(args.table).read_text())))
+        return
+    kept = measure(args)
+    judges = [k for k in ("content", "full") if k in kept["groups"]["all"]["accuracy"]]
+    judge_baselines.print_baselines(kept, judges)
+    print(f"near chance (both rules under {judge_baselines.NEAR_CHANCE} on the training "
+          f"comparisons of the contrast): {', '.join(kept['near_chance']) or 'none'}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(kept, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    cli.run_script(main)
