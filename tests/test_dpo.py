@@ -165,6 +165,13 @@ def test_tiny_preset_end_to_end(tiny_judge, data_dir, tmp_path):
     for name in ("implicit", "content", "full"):
         m = judges[name]
         assert m["wilson_low"] <= m["heldout_accuracy"] <= m["wilson_high"]
+    # issue 75: the three judges beside the system, length and SFT rules, paired
+    every = judges["baselines"]["groups"]["all"]
+    assert every["rows"] == 8 and set(every["paired"]) == {"implicit", "content", "full"}
+    assert set(every["paired"]["implicit"]) == {"system", "length", "sft"}
+    assert len(judges["baselines"]["per_pair"]["implicit"]) == 8
+    assert judges["split_fingerprint"] == json.loads(
+        (tiny_judge / "config.json").read_text())["split"]["fingerprint"]
     # the policy's row is ppo.py's: paired over ppo.py's 4 held-out posts, beside the reference
     assert {"reward", "reward_se", "retrieval_mrr", "rouge_l", "words", "eos_fraction",
             "copied_bigrams", "kl", "ref", "human", "gain_over_ref"} <= set(final)
@@ -174,3 +181,20 @@ def test_tiny_preset_end_to_end(tiny_judge, data_dir, tmp_path):
     assert {p.name for p in out.iterdir()} == {"results.json", "samples.html", "curve.png",
                                                "adapter.safetensors"}
     assert [p.name for p in tmp_path.iterdir()] == ["dpo"]           # no staging folder left
+
+
+@pytest.mark.slow
+def test_steps_0_makes_one_pass_over_every_training_comparison_of_the_judge(tiny_judge,
+                                                                             tmp_path):
+    """Issue 75's like-for-like run: all the judge's training comparisons, once."""
+    out = tmp_path / "dpo"
+    result = subprocess.run([sys.executable, "dpo.py", "--preset", "tiny", "--reward-model",
+                             str(tiny_judge), "--out", str(out), "--steps", "0",
+                             "--heldout-pairs", "0"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    split = json.loads((tiny_judge / "config.json").read_text())["split"]
+    assert results["train_pairs"] == split["max_pairs"] == 16           # the tiny judge's
+    assert results["steps"] == 8 == len(results["curve"])               # 16 pairs of 2, once
+    assert 8 < results["final"]["judges"]["pairs"] <= 32    # the judge's cap (32), not 8

@@ -34,7 +34,9 @@ METRIC_KEYS = {"heldout_accuracy", "wilson_low", "wilson_high", "heldout_pairs",
                "length_baseline_accuracy", "shorter_preferred_accuracy", "train_pairs",
                "seconds", "default_part", "length_weight", "length_matched_accuracy",
                "reference_pairs", "off_post_pairs", "off_post_sample_pairs",
-               "relevance_gap_sd", "relevance_gap_sd_se"} | {
+               "relevance_gap_sd", "relevance_gap_sd_se", "heldout_distinct_pairs",
+               "near_chance_contrasts"} | {
+    f"{scorer}_distinct_accuracy" for scorer in ("system", "length", "content", "full")} | {
     f"{kind}_{key}" for kind in ("relevance", "relevance_sample", "lead")
     for key in ("accuracy", "wilson_low", "wilson_high", "pairs", "tfidf_accuracy")} | {
     f"{part}_{key}" for part in ("content", "full")
@@ -515,6 +517,19 @@ def test_tiny_preset_runs_end_to_end_in_under_a_minute(tmp_path, comparisons):
             (gap[part]["human_mean"] - gap[part]["reference_mean"]) / gap[part]["reference_sd"])
     # (R3) puts the held-out human TL;DRs' mean content score at 0
     assert gap["content"]["human_mean"] == pytest.approx(0.0, abs=1e-5)
+    # issue 75: the rules beside both scores, every vote, on distinct pairs
+    every = metrics["extra"]["baselines"]["groups"]["all"]
+    assert every["rows"] == metrics["heldout_pairs"] >= every["pairs"]
+    assert every["accuracy"]["content"]["accuracy"] == metrics["content_distinct_accuracy"]
+    assert set(every["paired"]) == {"content", "full"}
+    assert set(every["paired"]["full"]) == {"system", "length"}
+    votes = metrics["extra"]["baselines"]["per_pair"]
+    assert sum(votes["length"]) / len(votes["length"]) == pytest.approx(
+        metrics["length_baseline_accuracy"])            # the same rule, counted by vote
+    # the split's settings travel with the judge (dpo.py rebuilds the split from them)
+    split = json.loads((out / "config.json").read_text())["split"]
+    assert (split["seed"], split["heldout_fraction"], split["max_pairs"]) == (0, 0.25, 16)
+    assert len(split["fingerprint"]) == 16
     for name in ("loss.png", "margins.png", "config.json", "adapter.safetensors",
                  "head.safetensors", "base.safetensors"):
         assert (out / name).is_file(), name
