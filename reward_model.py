@@ -80,7 +80,8 @@ seeds missed one of the judge's held-out targets with it (docs/reward_model.md).
 `--precision bf16` (the body under bf16 autocast) took 0.79x the fp32 step with AMX, 2.3x
 the memory, and its judge read the post much less (relevance 0.64, seed 0): not the default.
 Elsewhere: the data and the pairs in support/rm_data.py; the metrics and the printed
-report in support/rm_report.py; scoring lists of summaries (`score_grouped`, `score_texts`,
+report in support/rm_report.py; beside them, rules that never read the summary (which
+system wrote it, the longer wins) on distinct pairs, by contrast, in support/judge_baselines.py; scoring lists of summaries (`score_grouped`, `score_texts`,
 both importable from here) in support/rm_score.py.
 
 Run:   python reward_model.py                 (cpu preset: ~55 min on a 2-core CPU without AVX-512)

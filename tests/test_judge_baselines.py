@@ -5,7 +5,9 @@ Run:  pytest tests/test_judge_baselines.py
 Every input is made by hand: a few comparisons with named systems and lengths, a pair voted
 twice, scores with ties; the expected accuracies and intervals are worked out in the tests.
 """
+import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import dpo  # noqa: E402
 import reward_model as rm  # noqa: E402
 from support import cli, rm_data  # noqa: E402
 from support import judge_baselines as jb  # noqa: E402
+from tools import judge_baselines as tool  # noqa: E402
 
 
 def pair(pid, chosen, rejected, lw, ll, post="t3_a"):
@@ -203,3 +206,15 @@ def test_the_split_fingerprint_changes_with_the_split_and_dpo_refuses_another():
     dpo.check_split(one, Judge(saved), cfg)           # the same split: nothing said
     with pytest.raises(cli.UserError, match="do not split as runs/rm's did"):
         dpo.check_split(other, Judge(saved), cfg)
+
+
+# ------------------------------------------------------------------ the page
+
+def test_reward_model_md_holds_the_table_the_tool_makes_from_the_kept_file():
+    """docs/reward_model.md's table is `tools.judge_baselines --table` on the file it names."""
+    page = (ROOT / "docs" / "reward_model.md").read_text()
+    found = re.findall(r"<!-- python -m tools.judge_baselines --table (\S+) -->\n(.*?)\n"
+                       r"<!-- end of the table -->", page, re.S)
+    assert found
+    for path, text in found:
+        assert text == tool.table(json.loads((ROOT / path).read_text())), path
