@@ -83,7 +83,7 @@ def by_pair(ids, values):
     """(B1): (distinct ids in first-seen order, (m,) the mean of `values` (n,) per id)."""
     order = list(dict.fromkeys(ids))
     at = {pair: i for i, pair in enumerate(order)}
-    index = torch.tensor([at[pair] for pair in ids])                       # (n,)
+    index = torch.tensor([at[pair] for pair in ids], dtype=torch.long)     # (n,)
     values = torch.as_tensor(values, dtype=torch.float64)
     sums = torch.zeros(len(order), dtype=torch.float64).index_add_(0, index, values)
     counts = torch.zeros(len(order), dtype=torch.float64).index_add_(
@@ -220,7 +220,7 @@ def dpo_near_chance(runs, kept):
     of another split) raises ValueError naming it.
     """
     near, seeds = set(kept["near_chance"]), []
-    pooled = {}
+    pooled = {"content": {}, "full": {}}          # judge -> {pair: [implicit - judge, a seed]}
     for run in runs:
         judges = run.get("final", {}).get("judges", {})
         base = judges.get("baselines")
@@ -242,7 +242,7 @@ def dpo_near_chance(runs, kept):
         for s in ("content", "full"):
             d = dict(zip(order, (c["implicit"][1] - c[s][1]).tolist()))
             for pair, x in d.items():
-                pooled.setdefault(s, {}).setdefault(pair, []).append(x)
+                pooled[s].setdefault(pair, []).append(x)
     out = {"contrasts": sorted(near), "seeds": seeds}
     for s, d in pooled.items():
         means = torch.tensor([sum(x) / len(x) for x in d.values()], dtype=torch.float64)

@@ -151,6 +151,14 @@ def test_dpo_near_chance_pairs_the_implicit_judge_with_the_explicit_one_per_seed
     assert pooled["se"] == pytest.approx(math.sqrt(0.5) / math.sqrt(2))
 
 
+def test_dpo_near_chance_with_no_near_chance_contrast_has_no_pair_and_says_nan():
+    got = jb.dpo_near_chance([dpo_run(0, [1, 1, 0, 1])], {"near_chance": [],
+                                                          "split_fingerprint": "f1"})
+    assert got["seeds"][0]["implicit"]["pairs"] == 0
+    assert got["pooled_implicit_minus_content"]["pairs"] == 0
+    assert math.isnan(got["pooled_implicit_minus_content"]["difference"])
+
+
 def test_dpo_near_chance_refuses_a_run_without_pairs_or_of_another_split():
     kept = {"near_chance": ["A vs B"], "split_fingerprint": "f1", "judge": "runs/rm"}
     old = {"config": {"seed": 0, "out": "runs/old"}, "final": {"judges": {"pairs": 128}}}

@@ -4,6 +4,8 @@
     OMP_NUM_THREADS=1 python -m tools.judge_baselines --reward-model runs/reward_model \\
         --sft runs/sft --out docs/runs/judge/baselines_seed0.json                  # and both models
     python -m tools.judge_baselines --table docs/runs/judge/baselines_seed0.json   # the page's table
+    python -m tools.judge_baselines --dpo runs/dpo_s0 runs/dpo_s1 runs/dpo_s2 \
+        --table docs/runs/judge/baselines_seed0.json    # DPO's implicit judge near chance, paired
 
 Rebuilds the judge's split of people's comparisons (from its config.json; a judge written
 before it saved its split gets the cpu preset's with its seed, and the file says so), then
@@ -98,6 +100,30 @@ def table(kept):
     return "\n".join(lines)
 
 
+def print_dpo(runs, kept_path):
+    """`judge_baselines.dpo_near_chance` of the runs against the kept file, a line a seed."""
+    kept = json.loads(Path(kept_path).read_text())
+    loaded = []
+    for run in runs:
+        path = Path(run) / "results.json" if Path(run).is_dir() else Path(run)
+        with cli.reading(path, "a dpo.py results.json"):
+            loaded.append(json.loads(path.read_text()))
+    try:
+        got = judge_baselines.dpo_near_chance(loaded, kept)
+    except ValueError as error:
+        raise cli.UserError(str(error)) from error
+    print(f"near chance: {', '.join(got['contrasts']) or 'no contrast, so no pair'}")
+    for s in got["seeds"]:
+        d = s["implicit_minus_content"]
+        print(f"seed {s['seed']}: implicit {cell(s['implicit'])}, content {cell(s['content'])}, "
+              f"full {cell(s['full'])}; implicit - content {d['difference']:+.3f} "
+              f"[{d['low']:+.3f}, {d['high']:+.3f}] over {d['pairs']} distinct pairs")
+    for key in ("pooled_implicit_minus_content", "pooled_implicit_minus_full"):
+        d = got[key]
+        print(f"{key.replace('_', ' ')} over {len(runs)} seeds: {d['difference']:+.3f} "
+              f"[{d['low']:+.3f}, {d['high']:+.3f}]")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reward-model", default=None, help="a judge's folder: its split, "
@@ -109,7 +135,13 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="write the kept JSON here")
     parser.add_argument("--table", default=None, help="print the markdown table of a kept "
                                                       "JSON, and nothing else")
+    parser.add_argument("--dpo", nargs="+", default=None, help="with --table: dpo.py runs "
+                        "(folders or results.json), their implicit judge against the explicit "
+                        "one on the kept file's near-chance pairs")
     args = parser.parse_args(argv)
+    if args.dpo and args.table:
+        print_dpo(args.dpo, args.table)
+        return
     if args.table:
         with cli.reading(Path(args.table), "a file written by tools.judge_baselines", KeyError):
             print(table(json.loads(Path(args.table).read_text())))
