@@ -289,11 +289,11 @@ def judge_split(cfg, judge):
     if judge.settings["max_prompt_tokens"] != cfg.prompt_tokens:
         print(f"note: the judge read prompts cut to {judge.settings['max_prompt_tokens']} tokens, "
               f"this run cuts them to {cfg.prompt_tokens}: both judges read the latter")
-    heldout = min(n for n in (cfg.heldout_pairs, saved["max_heldout_pairs"], 10 ** 9) if n)
+    caps = [n for n in (cfg.heldout_pairs, saved["max_heldout_pairs"]) if n]   # 0 = all
     return rm.Config(seed=saved["seed"], heldout_fraction=saved["heldout_fraction"],
                      max_pairs=saved["max_pairs"], max_summary_tokens=saved["max_summary_tokens"],
                      max_prompt_tokens=cfg.prompt_tokens,
-                     max_heldout_pairs=0 if heldout == 10 ** 9 else heldout,
+                     max_heldout_pairs=min(caps, default=0),
                      min_heldout_pairs=0, data_dir=cfg.data_dir or "", model=cfg.model)
 
 
