@@ -30,6 +30,8 @@ from collections import Counter
 
 import torch
 
+from support.measures import paired_gain
+from support.quality import paired_difference
 from support.rm_report import wilson_interval
 
 RULES = ("system", "length", "sft")
@@ -81,6 +83,7 @@ def correct(r_w, r_l):
 
 def by_pair(ids, values):
     """(B1): (distinct ids in first-seen order, (m,) the mean of `values` (n,) per id)."""
+    # (B1)  c_i = mean of the values of pair i's votes
     order = list(dict.fromkeys(ids))
     at = {pair: i for i, pair in enumerate(order)}
     index = torch.tensor([at[pair] for pair in ids], dtype=torch.long)     # (n,)
@@ -94,20 +97,20 @@ def by_pair(ids, values):
 def accuracy(c):
     """(B2) on (m,) per-pair values: {accuracy, wilson: [low, high], pairs}."""
     m = len(c)
+    # (B2)  accuracy = 1/m sum_i c_i
     a = c.mean().item() if m else float("nan")
     return {"accuracy": a, "wilson": list(wilson_interval(a, m)) if m else [0.0, 1.0],
             "pairs": m}
 
 
 def paired_interval(a, b, z=1.96):
-    """(B3) a - b on the same (m,) distinct pairs: {difference, se, low, high, pairs}."""
-    d = torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)
-    m = len(d)
-    mean = d.mean().item() if m else float("nan")
-    # SE of a mean: SD(d) / sqrt(m), SD with m - 1
-    se = (d.std() / math.sqrt(m)).item() if m > 1 else float("nan")
+    """(B3) a - b on the same (m,) distinct pairs: {difference, se, low, high, pairs}; the
+    mean and SE are `quality.paired_difference`'s (NaN with no pair)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    mean, se = paired_difference(a.tolist(), b.tolist()) if len(a) else (math.nan, math.nan)
+    # (B3)  mean d -+ z SE,   z = 1.96 for 95%
     return {"difference": mean, "se": se, "low": mean - z * se, "high": mean + z * se,
-            "pairs": m}
+            "pairs": len(a)}
 
 
 def contrast_strength(train_pairs, rates):
@@ -215,12 +218,12 @@ def dpo_near_chance(runs, kept):
     runs: dpo.py results.json dicts (one per seed), each with final.judges.baselines;
     kept: tools/judge_baselines.py's JSON, whose `near_chance` contrasts and split
     fingerprint decide the pairs. Per seed: the accuracies (B2) of implicit, content and
-    full and implicit minus content and minus full (B3); pooled: the per-pair differences
-    averaged over the seeds first, then (B3) over the pairs. A run with no per-pair data (or
-    of another split) raises ValueError naming it.
+    full and implicit minus content and minus full (B3); pooled over the seeds:
+    `measures.paired_gain` (its SE the larger of over seeds and over pairs), +- 1.96 SE.
+    A run with no per-pair data (or of another split) raises ValueError naming it.
     """
     near, seeds = set(kept["near_chance"]), []
-    pooled = {"content": {}, "full": {}}          # judge -> {pair: [implicit - judge, a seed]}
+    per_seed = {"implicit": {}, "content": {}, "full": {}}     # scorer -> {seed: (m,) list}
     for run in runs:
         judges = run.get("final", {}).get("judges", {})
         base = judges.get("baselines")
@@ -229,24 +232,24 @@ def dpo_near_chance(runs, kept):
             raise ValueError(f"{name} holds no per-pair data (dpo.py before issue 75)")
         if judges.get("split_fingerprint") != kept.get("split_fingerprint"):
             raise ValueError(f"{name} was evaluated on another split than {kept.get('judge')}")
-        per = base["per_pair"]
+        per, seed = base["per_pair"], run["config"]["seed"]
         rows = [c in near for c in per["contrast"]]
         ids = [i for i, keep in zip(per["pair"], rows) if keep]
-        c = {s: by_pair(ids, [v for v, keep in zip(per[s], rows) if keep])
-             for s in ("implicit", "content", "full")}
-        order = c["implicit"][0]
-        seeds.append({"seed": run["config"]["seed"],
-                      **{s: accuracy(v) for s, (_, v) in c.items()},
-                      "implicit_minus_content": paired_interval(c["implicit"][1], c["content"][1]),
-                      "implicit_minus_full": paired_interval(c["implicit"][1], c["full"][1])})
-        for s in ("content", "full"):
-            d = dict(zip(order, (c["implicit"][1] - c[s][1]).tolist()))
-            for pair, x in d.items():
-                pooled[s].setdefault(pair, []).append(x)
+        c = {s: by_pair(ids, [v for v, keep in zip(per[s], rows) if keep])[1]
+             for s in per_seed}                                             # (m,) each
+        seeds.append({"seed": seed, **{s: accuracy(v) for s, v in c.items()},
+                      "implicit_minus_content": paired_interval(c["implicit"], c["content"]),
+                      "implicit_minus_full": paired_interval(c["implicit"], c["full"])})
+        for s, v in c.items():
+            per_seed[s][seed] = v.tolist()
     out = {"contrasts": sorted(near), "seeds": seeds}
-    for s, d in pooled.items():
-        means = torch.tensor([sum(x) / len(x) for x in d.values()], dtype=torch.float64)
-        out[f"pooled_implicit_minus_{s}"] = paired_interval(means, torch.zeros_like(means))
+    for s in ("content", "full"):
+        # measures.paired_gain: the mean over seeds and pairs, its SE the larger of the SE
+        # over seeds and the SE over pairs (of the seeds' mean per pair)
+        gain, se, source = paired_gain(per_seed["implicit"], per_seed[s])
+        out[f"pooled_implicit_minus_{s}"] = {
+            "difference": gain, "se": se, "low": gain - 1.96 * se, "high": gain + 1.96 * se,
+            "pairs": len(next(iter(per_seed[s].values()), [])), "se_over": source}
     return out
 
 

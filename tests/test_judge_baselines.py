@@ -148,6 +148,8 @@ def test_dpo_near_chance_pairs_the_implicit_judge_with_the_explicit_one_per_seed
     # seed 1: implicit [0, 1], so implicit - content = [-1/2, 1]; pooled: [0, 1]
     pooled = got["pooled_implicit_minus_content"]
     assert pooled["difference"] == pytest.approx(0.5) and pooled["pairs"] == 2
+    # SE over seeds: sd(0.75, 0.25) / sqrt 2 = 0.25; over pairs: sd(0, 1) / sqrt 2: the larger
+    assert pooled["se_over"] == "posts"
     assert pooled["se"] == pytest.approx(math.sqrt(0.5) / math.sqrt(2))
 
 
