@@ -228,3 +228,13 @@ def test_reward_model_md_holds_the_table_the_tool_makes_from_the_kept_file():
     assert found
     for path, text in found:
         assert text == tool.table(json.loads((ROOT / path).read_text())), path
+
+
+def test_the_sft_log_probs_come_back_from_a_kept_file_of_the_same_split_only(tmp_path):
+    path = tmp_path / "kept.json"
+    path.write_text(json.dumps({"split_fingerprint": "f1", "sft": "runs/sft",
+                                "sft_logp": [[-1.0, -2.0], [-3.0, -0.5]]}))
+    (w, l), sft = tool.sft_from(path, "f1", 2)
+    assert w.tolist() == [-1.0, -3.0] and l.tolist() == [-2.0, -0.5] and sft == "runs/sft"
+    with pytest.raises(cli.UserError, match="another split"):
+        tool.sft_from(path, "f2", 2)

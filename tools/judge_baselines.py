@@ -4,7 +4,9 @@
     OMP_NUM_THREADS=1 python -m tools.judge_baselines --reward-model runs/reward_model \\
         --sft runs/sft --out docs/runs/judge/baselines_seed0.json                  # and both models
     python -m tools.judge_baselines --table docs/runs/judge/baselines_seed0.json   # the page's table
-    python -m tools.judge_baselines --dpo runs/dpo_s0 runs/dpo_s1 runs/dpo_s2 \
+    python -m tools.judge_baselines --reward-model runs/reward_model \\
+        --sft-from docs/runs/judge/rules_seed0.json --out ...    # the SFT log-probs kept there
+    python -m tools.judge_baselines --dpo runs/dpo_s0 runs/dpo_s1 runs/dpo_s2 \\
         --table docs/runs/judge/baselines_seed0.json    # DPO's implicit judge near chance, paired
 
 Rebuilds the judge's split of people's comparisons (from its config.json; a judge written
@@ -21,6 +23,8 @@ checks that they agree).
 import argparse
 import json
 from pathlib import Path
+
+import torch
 
 import dpo
 import loaders
@@ -63,17 +67,31 @@ def measure(args):
     tokenizer = loaders.load_tokenizer()
     train_pairs, heldout_pairs = rm_data.comparison_pairs(tokenizer, data, config)
     scores = rm.evaluate(judge, heldout_pairs, config)[1] if judge is not None else {}
-    logp = None
+    logp, sft = None, args.sft
     if args.sft:
         lm, _ = loaders.load_policy_and_tokenizer(args.sft, device=device)
         logp = dpo.log_probs_of(lm, heldout_pairs, 4, tokenizer.pad_token_id, device,
                                 "held-out pairs (SFT)")
-    out = {"judge": args.reward_model, "sft": args.sft, "split_settings": where,
+    elif args.sft_from:                          # the SFT model's log-probs, kept before
+        logp, sft = sft_from(args.sft_from, fingerprint, len(heldout_pairs))
+    out = {"judge": args.reward_model, "sft": sft, "split_settings": where,
            "split_fingerprint": fingerprint, "seed": config.seed,
            "heldout_rows": len(heldout_pairs), "train_comparisons": len(train_pairs),
            "machine": machine() if (judge is not None or args.sft) else None,
            **judge_baselines.baselines(train_pairs, heldout_pairs, scores, logp)}
+    if logp is not None:                         # (n, 2): log pi_SFT of y_w and y_l, a vote
+        out["sft_logp"] = torch.stack([torch.as_tensor(x).cpu() for x in logp], 1).tolist()
     return out
+
+
+def sft_from(path, fingerprint, n):
+    """((n,), (n,)) log-probs and the SFT model's name from a kept file of the same split."""
+    with cli.reading(Path(path), "a file written by tools.judge_baselines --sft", KeyError):
+        kept = json.loads(Path(path).read_text())
+        logp, sft = torch.tensor(kept["sft_logp"], dtype=torch.float64), kept["sft"]
+    if kept["split_fingerprint"] != fingerprint or len(logp) != n:
+        raise cli.UserError(f"{path} holds another split's pairs; rerun with --sft")
+    return (logp[:, 0], logp[:, 1]), sft
 
 
 def cell(a):
@@ -130,6 +148,8 @@ def main(argv=None):
                         "and its content and full scores beside the rules")
     parser.add_argument("--sft", default=None, help="the SFT model (runs/sft): its "
                         "log-probability rule")
+    parser.add_argument("--sft-from", default=None, help="instead of --sft: the SFT "
+                        "model's log-probs kept in an earlier file of the same split")
     parser.add_argument("--seed", type=int, default=0, help="the split's seed without a judge")
     parser.add_argument("--data-dir", default=None, help="as reward_model.py's")
     parser.add_argument("--out", default=None, help="write the kept JSON here")
