@@ -190,7 +190,12 @@ def baselines(train_pairs, heldout_pairs, judge_scores, logp=None):
     right = {name: correct(*s) for name, s in scores.items()}
     ids = [p["pair"] for p in heldout_pairs]
     contrasts = [contrast(p) for p in heldout_pairs]
+    sides = {}                                   # pair -> the systems people chose in it
+    for p in heldout_pairs:
+        sides.setdefault(p["pair"], set()).add(p["chosen_policy"])
     return {"near_chance": near, "strength": strength, "system_win_rates": rates,
+            "most_votes_on_a_pair": max(Counter(ids).values(), default=0),
+            "pairs_voted_both_ways": sum(len(chosen) > 1 for chosen in sides.values()),
             "groups": report(ids, contrasts, right, list(judge_scores), near),
             "per_pair": {"pair": ids, "contrast": contrasts,
                          **{name: v.tolist() for name, v in right.items()}}}

@@ -121,6 +121,7 @@ def test_baselines_from_pairs_carry_every_vote_and_the_near_chance_contrasts(mon
     assert got["per_pair"]["system"] == [1, 0, 0.5]
     assert got["per_pair"]["content"] == [1, 1, 0.5]
     assert got["groups"]["all"]["pairs"] == 2
+    assert (got["most_votes_on_a_pair"], got["pairs_voted_both_ways"]) == (2, 1)
     # the pair voted both ways: the system rule is right on one vote of two
     assert got["groups"]["all"]["accuracy"]["system"]["accuracy"] == pytest.approx(0.5)
     assert jb.headline(got)["content_distinct_accuracy"] == pytest.approx(0.75)

@@ -100,21 +100,26 @@ def cell(a):
 
 
 def table(kept):
-    """The page's markdown: a row per group; each scorer's accuracy on distinct pairs; then
-    each judge minus the system and length rules (and the SFT one when kept), paired."""
+    """The page's markdown: a row per group with each scorer's accuracy on distinct pairs;
+    then, where a judge was scored, a second table of each judge minus each rule, paired."""
     groups = kept["groups"]
     present = [(k, name) for k, name in SCORERS if k in groups["all"]["accuracy"]]
     judges = [k for k, _ in present if k not in judge_baselines.RULES]
-    rules = [k for k, _ in present if k in judge_baselines.RULES]
-    head = ["held-out pairs (distinct / votes)", *[name for _, name in present],
-            *[f"{j} − {r}" for j in judges for r in rules]]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    rules = [k for k, name in present if k in judge_baselines.RULES]
+    names = dict(present)
+    first = ["held-out pairs (distinct / votes)", *[name for _, name in present]]
+    lines = ["| " + " | ".join(first) + " |", "|" + " --- |" * len(first)]
     for group, g in groups.items():
-        row = [f"{group} ({g['pairs']} / {g['rows']})",
-               *[cell(g["accuracy"][k]) for k, _ in present],
-               *[f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
-                 for j in judges for d in (g["paired"][j][r] for r in rules)]]
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append("| " + " | ".join([f"{group} ({g['pairs']} / {g['rows']})",
+                                        *[cell(g["accuracy"][k]) for k, _ in present]]) + " |")
+    if judges:
+        second = ["judge minus rule, paired", *[f"{names[j]} − {names[r]}"
+                                                for j in judges for r in rules]]
+        lines += ["", "| " + " | ".join(second) + " |", "|" + " --- |" * len(second)]
+        for group, g in groups.items():
+            lines.append("| " + " | ".join([group, *[
+                f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+                for j in judges for d in (g["paired"][j][r] for r in rules)]]) + " |")
     return "\n".join(lines)
 
 
