@@ -235,7 +235,19 @@ def test_the_sft_log_probs_come_back_from_a_kept_file_of_the_same_split_only(tmp
     path = tmp_path / "kept.json"
     path.write_text(json.dumps({"split_fingerprint": "f1", "sft": "runs/sft",
                                 "sft_logp": [[-1.0, -2.0], [-3.0, -0.5]]}))
-    (w, l), sft = tool.sft_from(path, "f1", 2)
+    (w, l), sft, where = tool.sft_from(path, "f1", 2)
     assert w.tolist() == [-1.0, -3.0] and l.tolist() == [-2.0, -0.5] and sft == "runs/sft"
+    assert where is None                                  # the file names no CPU
     with pytest.raises(cli.UserError, match="another split"):
         tool.sft_from(path, "f2", 2)
+
+
+def test_the_readme_quotes_the_kept_file_that_reward_model_md_shows():
+    page = (ROOT / "docs" / "reward_model.md").read_text()
+    path = re.search(r"<!-- python -m tools.judge_baselines --table (\S+) -->", page).group(1)
+    every = json.loads((ROOT / path).read_text())["groups"]["all"]["accuracy"]
+    line = next(l for l in (ROOT / "README.md").read_text().splitlines()
+                if "means little alone" in l)
+    for scorer in ("system", "length", "content", "full"):
+        if scorer in every:
+            assert f"{every[scorer]['accuracy']:.3f}" in line, scorer

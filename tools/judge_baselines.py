@@ -67,17 +67,19 @@ def measure(args):
     tokenizer = loaders.load_tokenizer()
     train_pairs, heldout_pairs = rm_data.comparison_pairs(tokenizer, data, config)
     scores = rm.evaluate(judge, heldout_pairs, config)[1] if judge is not None else {}
-    logp, sft = None, args.sft
+    logp, sft, where_sft = None, args.sft, machine()
     if args.sft:
         lm, _ = loaders.load_policy_and_tokenizer(args.sft, device=device)
         logp = dpo.log_probs_of(lm, heldout_pairs, 4, tokenizer.pad_token_id, device,
                                 "held-out pairs (SFT)")
     elif args.sft_from:                          # the SFT model's log-probs, kept before
-        logp, sft = sft_from(args.sft_from, fingerprint, len(heldout_pairs))
+        logp, sft, where_sft = sft_from(args.sft_from, fingerprint, len(heldout_pairs))
     out = {"judge": args.reward_model, "sft": sft, "split_settings": where,
            "split_fingerprint": fingerprint, "seed": config.seed,
            "heldout_rows": len(heldout_pairs), "train_comparisons": len(train_pairs),
-           "machine": machine() if (judge is not None or args.sft) else None,
+           # the CPU that scored: the judge's scores here, the SFT log-probs where made
+           "machine": machine() if judge is not None else None,
+           "sft_machine": where_sft if logp is not None else None,
            **judge_baselines.baselines(train_pairs, heldout_pairs, scores, logp)}
     if logp is not None:                         # (n, 2): log pi_SFT of y_w and y_l, a vote
         out["sft_logp"] = torch.stack([torch.as_tensor(x).cpu() for x in logp], 1).tolist()
@@ -85,13 +87,14 @@ def measure(args):
 
 
 def sft_from(path, fingerprint, n):
-    """((n,), (n,)) log-probs and the SFT model's name from a kept file of the same split."""
+    """((n,), (n,)) log-probs, the SFT model's name and the CPU that computed them, from a
+    kept file of the same split."""
     with cli.reading(Path(path), "a file written by tools.judge_baselines --sft", KeyError):
         kept = json.loads(Path(path).read_text())
         logp, sft = torch.tensor(kept["sft_logp"], dtype=torch.float64), kept["sft"]
     if kept["split_fingerprint"] != fingerprint or len(logp) != n:
         raise cli.UserError(f"{path} holds another split's pairs; rerun with --sft")
-    return (logp[:, 0], logp[:, 1]), sft
+    return (logp[:, 0], logp[:, 1]), sft, kept.get("sft_machine") or kept.get("machine")
 
 
 def cell(a):
