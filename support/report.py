@@ -740,8 +740,11 @@ def step_log(iteration, parts, rows, n_seq, n_tok, with_ptx=False):
 
 
 def gradients(parameters):
-    """Every gradient of `parameters` in one (n,) tensor, for `check_finite` before a step."""
-    return torch.cat([p.grad.flatten() for p in parameters if p.grad is not None])
+    """Every gradient of `parameters` in one (n,) tensor, for `check_finite` before a step.
+    A parameter with no gradient counts as zeros, as `parallel.sum_gradients` then makes it:
+    under torchrun a rank with no pairs in a short last batch has none at all."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                      for p in parameters])
 
 
 class NonFiniteError(cli.UserError):

@@ -784,3 +784,19 @@ def test_a_nan_gradient_stops_the_step_before_adamw_moves_anything(comparisons):
                        match=rf"^step 7: the gradient is NaN or inf in {bad} of {total} values"):
         rm.train_step(model, optimizer, pairs, step=7)
     assert all(torch.equal(p, q) for p, q in zip(weights, before))
+
+
+def test_a_rank_with_no_pairs_in_a_short_last_batch_takes_its_step(comparisons, monkeypatch):
+    """Under torchrun a rank's share of a batch of fewer pairs than ranks is empty: it has no
+    gradients, and its step (the NaN check, then the all-reduce that gives it zeros) still
+    runs. Here `parallel.mine` gives this one process no pairs, as rank 0 of 2 gets none of
+    a one-pair batch: the step ends with no loss, and no weight moves."""
+    model, tokenizer = tiny_model()
+    config = rm.Config(**rm.PRESETS["tiny"])
+    pairs = rm_data.prepare_pairs(tokenizer, comparisons[:1], config)
+    optimizer = rm.make_optimizer(model, config)
+    weights = [p for group in optimizer.param_groups for p in group["params"]]
+    before = [p.detach().clone() for p in weights]
+    monkeypatch.setattr(rm.parallel, "mine", lambda items: items[:0])
+    assert rm.train_step(model, optimizer, pairs, step=5) == (0.0, 0.0)
+    assert all(torch.equal(p, q) for p, q in zip(weights, before))
