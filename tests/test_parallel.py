@@ -9,6 +9,8 @@
 - reward_model.py's tiny preset under torchrun, with an explicit rendezvous endpoint (the
   multi-node command on one machine): held-out metrics once, on every held-out pair, close
   to a single process's; the saved model loads in this one.
+- reward_model.py with a one-pair last batch, of which rank 0 gets nothing: it ends,
+  with the single process's numbers.
 - A torchrun run holds its folder from rank 0: a plain run on it stops at once naming that
   process; after the launch is killed, a new run takes the folder (support/disk.py).
 - parallel.py's helpers are the identity in one process.
