@@ -502,6 +502,36 @@ def test_a_nan_score_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_judge
     assert [row["iteration"] for row in results["iterations"]] == [0, 1]
 
 
+def test_a_nan_gradient_with_a_finite_loss_stops_the_run_before_the_step(
+        tiny_judge, data_dir, tiny, tokenizer, tmp_path, monkeypatch):
+    """The loss finite and one gradient value NaN in iteration 2: the run stops there before
+    AdamW steps on it (every weight stays finite), naming the gradient; the checkpoint of
+    iteration 1 and results.json's rows 0 and 1 are all that is saved."""
+    cfg = ppo.parse_args(["--preset", "tiny", "--iterations", "4", "--checkpoint-every", "1",
+                          "--out", str(tmp_path)])
+    posts = loaders.load_tldr()[:30]
+    pool = [{**p, "prompt": prompt} for p in posts
+            if (prompt := loaders.fit_prompt(tokenizer, p, cfg.prompt_tokens))][:8]
+    models = (tiny, rm.load_reward_model(tiny_judge), tokenizer, torch.device("cpu"))
+    real_accumulate, held = ppo.accumulate_gradients, {}
+
+    def accumulate_gradients(policy, value_head, batch, *args):
+        log, ratios = real_accumulate(policy, value_head, batch, *args)
+        held["weights"] = [*policy.parameters(), *value_head.parameters()]
+        if batch.iteration == 2:
+            value_head.project.bias.grad.fill_(float("nan"))       # the loss stays finite
+        return log, ratios
+
+    monkeypatch.setattr(ppo, "accumulate_gradients", accumulate_gradients)
+    with pytest.raises(report.NonFiniteError,
+                       match=r"^iteration 2: the gradient is NaN or inf in 1 of \d+ values"):
+        ppo.train(cfg, 0.1, 0, models, pool, tmp_path, progress=False)
+    assert all(torch.isfinite(p).all() for p in held["weights"])
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["iteration"] == 1
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [row["iteration"] for row in results["iterations"]] == [0, 1]
+
+
 def test_check_finite_names_the_quantity():
     ppo.check_finite(0, loss=torch.tensor(1.0), advantage=torch.zeros(2, 3))
     with pytest.raises(report.NonFiniteError, match="iteration 7: the advantage is NaN or inf "
