@@ -13,6 +13,7 @@
 """
 
 import copy
+import contextlib
 import csv
 import json
 import math
@@ -1050,6 +1051,57 @@ def test_a_command_past_its_limit_is_stopped_with_every_process_it_started():
         time.sleep(0.1)
     else:
         pytest.fail(f"{grandchild.parent.name} still runs after the timeout")
+
+
+def gone(pid):
+    """Whether process `pid` has ended (gone, or a zombie that its parent has yet to reap)."""
+    stat = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError):
+        return stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return True
+
+
+@pytest.mark.slow
+def test_a_real_torchrun_past_its_limit_is_stopped_with_its_workers(tmp_path):
+    """torchrun starts its workers in sessions of their own, out of its process group's
+    reach (and they hold the output pipe open): at the 30 s limit the worker is killed too,
+    and the call returns within a few seconds of the limit, not when the worker would have
+    ended (60 s)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, time\nprint('WORKER', os.getpid(), flush=True)\n"
+                      "time.sleep(60)\n")
+    start = time.monotonic()
+    code, output = check_gpu.Deadline(30, planned=1).run(
+        ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+         str(worker)], 1)
+    took = time.monotonic() - start
+    assert code is None and output.splitlines()[-1] == "over 30 s, skipped"
+    pid = int(next(line for line in output.splitlines() if line.startswith("WORKER")).split()[1])
+    assert took < 30 + 5, took
+    assert gone(pid), f"the worker {pid} still runs after the limit"
+
+
+def test_the_gpu_checks_preparation_runs_within_its_budget(tmp_path, monkeypatch):
+    """The model folders are written by a command under the check's limits, not in the
+    check's own process, where no limit reaches; the budget counts from the command's start
+    (before `import torch`), not from when the steps begin."""
+    commands = []
+
+    class Recording(check_gpu.Deadline):
+        def run(self, command, share):
+            commands.append((command[:4], share))
+            return 0, ""
+
+    def in_process(*args):
+        raise AssertionError("loaders.save_architecture ran in the check's own process")
+    monkeypatch.setattr(check_gpu.loaders, "save_architecture", in_process)
+    check_gpu.prepare(tmp_path, Recording(300, planned=20))
+    assert commands == [(["python", "-m", "tools.check_gpu", "--save-architecture"],
+                         check_gpu.SHARES["models"]),
+                        (["python", "-m", "pip", "download"], check_gpu.SHARES["pip"])]
+    clock = [100.0]
+    deadline = check_gpu.Deadline(300, planned=300, clock=lambda: clock[0], start=90.0)
+    assert deadline.limit(300) == pytest.approx(290)          # 10 s went before the steps
 
 
 def test_phase_timings_wait_for_cuda_only_where_cuda_is_in_use(monkeypatch):
