@@ -2,8 +2,8 @@
 
     stage scripts   sft.py, reward_model.py, ppo.py (dpo.py where it exists): nothing
                     imports them but tools/ and tests/
-    support/        the plumbing: imports loaders, gae, lora and other support modules,
-                    never a stage script
+    support/        the plumbing: imports loaders, gae, lora, ppo_kernels and other support
+                    modules, never a stage script
     support/cli.py  the one-line errors: imports no module of this project, so loaders.py
                     (a piece of the stage scripts, below support/) can raise its UserError
                     without a cycle; support/devices.py (the device, read through loaders.py)

@@ -787,10 +787,7 @@ def test_a_nan_gradient_stops_the_step_before_adamw_moves_anything(comparisons):
 
 
 def test_a_rank_with_no_pairs_in_a_short_last_batch_takes_its_step(comparisons, monkeypatch):
-    """Under torchrun a rank's share of a batch of fewer pairs than ranks is empty: it has no
-    gradients, and its step (the NaN check, then the all-reduce that gives it zeros) still
-    runs. Here `parallel.mine` gives this one process no pairs, as rank 0 of 2 gets none of
-    a one-pair batch: the step ends with no loss, and no weight moves."""
+    """No pairs (rank 0 of 2's share of a one-pair batch): the step runs, moving nothing."""
     model, tokenizer = tiny_model()
     config = rm.Config(**rm.PRESETS["tiny"])
     pairs = rm_data.prepare_pairs(tokenizer, comparisons[:1], config)

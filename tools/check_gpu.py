@@ -37,7 +37,7 @@ Run:  python -m tools.bench_ppo --check-gpu --prepare       (here, once: the mod
       python -m tools.bench_ppo --check-gpu --steps tests kernels     (some steps; the JSON is
                                                       written after each, so a timeout keeps
                                                       what finished)
-Test: pytest tests/test_ppo.py -k check_gpu           (the --dry-run)
+Test: pytest tests/test_check_gpu.py      (pytest -m slow tests/test_check_gpu.py: the --dry-run)
 """
 
 import contextlib
