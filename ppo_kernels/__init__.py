@@ -23,12 +23,13 @@ against one float64 oracle, so switching backend never changes what a function m
 
 Triton is optional: without it (macOS) everything runs on the fallback and
 set_backend("triton") raises. A bad RLHF_KERNELS_BACKEND, or "triton" where Triton is not
-installed, does not stop `import ppo_kernels`: the scripts raise it as one line before anything
-loads (`check_environment`, from support/config.py), and so does any kernel call. Where it is installed but cannot build a kernel (no C compiler,
-no CUDA driver library), "auto" finds out once, on its first CUDA tensor, by building the
-log-prob kernel on a tiny input: one line says so and the fallback runs; "triton" makes the
-same attempt on its first tensor, wherever it is, and stops there with that line
-(`TritonCannotBuild`, a one-line error of the scripts; RLHF_KERNELS_BACKEND=torch skips it).
+installed, does not stop `import ppo_kernels`: the scripts raise it as one line before
+anything loads (`check_environment`, from support/config.py), and so does any kernel call.
+Where Triton is installed but cannot build a kernel (no C compiler, no CUDA driver library),
+"auto" finds out once, on its first CUDA tensor, by building the log-prob kernel on a tiny
+input: one line says so and the fallback runs; "triton" makes the same attempt on its first
+tensor, wherever it is, and stops there with that line (`TritonCannotBuild`, a one-line error
+of the scripts; RLHF_KERNELS_BACKEND=torch skips it).
 
 Test:  python -m pytest -q tests/test_kernels.py
 Bench: python -m tools.bench_kernels
@@ -43,10 +44,8 @@ from support import cli
 from . import clipped_loss, fused_linear, logprob
 
 BACKENDS = ("auto", "triton", "torch")
+ENV = "RLHF_KERNELS_BACKEND"               # the starting backend
 _backend = "auto"
-
-
-ENV = "RLHF_KERNELS_BACKEND"
 
 
 class TritonCannotBuild(cli.UserError):
