@@ -74,9 +74,10 @@ def nvidia_gpu_present():
             or shutil.which("nvidia-smi") is not None)
 
 
+@functools.cache
 def nvidia_driver():
     """The NVIDIA driver's version ("580.65.06"), from its kernel module or nvidia-smi; None
-    where neither says."""
+    where neither says. Read once a process."""
     try:
         found = re.search(r"\s(\d{3,}\.\d+(?:\.\d+)?)\s",
                           Path("/proc/driver/nvidia/version").read_text())
@@ -103,16 +104,17 @@ def unused_gpu_note():
         return (f"an NVIDIA GPU is here but torch {torch.__version__} is a CPU build; `pip "
                 f"uninstall -y torch && pip install torch=={version}` installs PyPI's CUDA build "
                 "(docs/dependencies.md#which-torch)")
-    major, driver = int(torch.version.cuda.split(".")[0]), nvidia_driver()
+    major, driver = int(torch.version.cuda.split(".")[0]), nvidia_driver() or ""
     needs = MIN_DRIVER.get(major)
-    if driver is None or needs is None or int(driver.split(".")[0]) < needs:
+    if not driver.split(".")[0].isdigit() or needs is None or int(driver.split(".")[0]) < needs:
         said = f"driver {driver}" if driver else "a driver whose version nvidia-smi does not give"
+        older = (f"`pip install torch=={version} --index-url "
+                 "https://download.pytorch.org/whl/cu128`: " if major > 12 else "")
         return (f"an NVIDIA GPU is here but torch {torch.__version__}, built for CUDA "
                 f"{torch.version.cuda}, cannot start it: {said}"
                 + (f", and CUDA {major} needs {needs} or newer" if needs else "")
                 + "; update the NVIDIA driver, or install a torch built for an older CUDA "
-                f"(`pip install torch=={version} --index-url "
-                "https://download.pytorch.org/whl/cu128`: docs/dependencies.md#which-torch)")
+                f"({older}docs/dependencies.md#which-torch)")
     return (f"an NVIDIA GPU is here, and driver {driver} is new enough for torch "
             f"{torch.__version__} (CUDA {torch.version.cuda}), but torch cannot start it; "
             "`nvidia-smi` and $CUDA_VISIBLE_DEVICES say why")

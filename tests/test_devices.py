@@ -108,7 +108,9 @@ def test_the_driver_version_is_read_from_the_kernel_modules_line(monkeypatch, tm
     monkeypatch.setattr(devices, "Path", lambda name: real_path(tmp_path / "version")
                         if name == "/proc/driver/nvidia/version" else real_path(name))
     (tmp_path / "version").write_text(line)
+    devices.nvidia_driver.cache_clear()
     assert devices.nvidia_driver() == "580.65.06"
+    devices.nvidia_driver.cache_clear()
 
 
 def test_cuda_n_is_checked_against_the_gpus_and_made_current(monkeypatch):
