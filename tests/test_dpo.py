@@ -174,3 +174,28 @@ def test_tiny_preset_end_to_end(tiny_judge, data_dir, tmp_path):
     assert {p.name for p in out.iterdir()} == {"results.json", "samples.html", "curve.png",
                                                "adapter.safetensors"}
     assert [p.name for p in tmp_path.iterdir()] == ["dpo"]           # no staging folder left
+
+
+def test_a_nan_gradient_with_a_finite_loss_stops_dpo_before_its_step(tiny_judge, judge_data,
+                                                                     tmp_path, monkeypatch):
+    """The loss and log-probs finite, one gradient value NaN at step 2: dpo.py stops with one
+    line naming the gradient, before AdamW steps on it (the adapter stays finite), and
+    writes nothing."""
+    real_gradients, adapters = dpo.dpo_gradients, []
+
+    def dpo_gradients(policy, *args):
+        logps = real_gradients(policy, *args)
+        adapters.append([p for p in policy.parameters() if p.requires_grad])
+        if len(adapters) == 2:
+            adapters[-1][0].grad.view(-1)[0] = float("nan")
+        return logps
+    monkeypatch.setattr(dpo, "dpo_gradients", dpo_gradients)
+    with pytest.raises(SystemExit) as stop:
+        cli.run_script(dpo.main, ["--preset", "tiny", "--reward-model", str(tiny_judge),
+                                  "--data-dir", str(judge_data), "--steps", "4",
+                                  "--out", str(tmp_path / "dpo")])
+    message = str(stop.value.code)
+    assert message.startswith("dpo.py: error: step 2: the gradient is NaN or inf in 1 of ")
+    assert "\n" not in message and len(adapters) == 2
+    assert all(torch.isfinite(p).all() for p in adapters[-1])
+    assert list(tmp_path.iterdir()) == []

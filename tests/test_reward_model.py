@@ -784,3 +784,16 @@ def test_a_nan_gradient_stops_the_step_before_adamw_moves_anything(comparisons):
                        match=rf"^step 7: the gradient is NaN or inf in {bad} of {total} values"):
         rm.train_step(model, optimizer, pairs, step=7)
     assert all(torch.equal(p, q) for p, q in zip(weights, before))
+
+
+def test_a_rank_with_no_pairs_in_a_short_last_batch_takes_its_step(comparisons, monkeypatch):
+    """No pairs (rank 0 of 2's share of a one-pair batch): the step runs, moving nothing."""
+    model, tokenizer = tiny_model()
+    config = rm.Config(**rm.PRESETS["tiny"])
+    pairs = rm_data.prepare_pairs(tokenizer, comparisons[:1], config)
+    optimizer = rm.make_optimizer(model, config)
+    weights = [p for group in optimizer.param_groups for p in group["params"]]
+    before = [p.detach().clone() for p in weights]
+    monkeypatch.setattr(rm.parallel, "mine", lambda items: items[:0])
+    assert rm.train_step(model, optimizer, pairs, step=5) == (0.0, 0.0)
+    assert all(torch.equal(p, q) for p, q in zip(weights, before))
