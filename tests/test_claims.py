@@ -474,3 +474,33 @@ def test_the_controllers_row_gives_each_seeds_last_beta():
         runs["--target-kl 1"][seed] = run
     row = next(r for r in claims(runs, {})[0] if "target 1 nat" in r[2])
     assert "β at the end 0.050 / 0.200 (seeds 0, 1)" in row[4]
+
+
+def test_the_estimators_block_and_the_readme_sentence_are_the_kept_runs():
+    """docs/estimators.md's kept block is the command's output, and the README quotes its
+    sentence word for word."""
+    from tools.analysis import estimators_page
+    from tools.analysis.claims_runs import load
+    with pytest.raises(SystemExit) as same:
+        estimators_page.main(["--runs", str(RUNS), "--out", str(DOCS / "estimators.md"),
+                              "--check"])
+    assert same.value.code == 0
+    readme = (DOCS.parent / "README.md").read_text()
+    said = estimators_page.sentence(load(RUNS)[0])
+    assert " ".join(said.split()) in " ".join(readme.split())
+
+
+def test_the_estimators_table_judges_each_setting_on_the_objective(tmp_path):
+    from tools.analysis import estimators_page
+    rloo = {"estimator": "rloo", "batch": 2, "samples_per_prompt": 4}
+    j = [0.05, -0.05, 0.1, -0.1]
+    runs = {"": seeds(3, lambda s: fake_run(s, [0.0 + x * s for x in j], kl=[2.0] * 4)),
+            "--estimator rloo --batch 2 --samples-per-prompt 4": seeds(6, lambda s: fake_run(
+                s, [0.1 + x * (s % 3) for x in j], rloo, kl=[5.0] * 4))}
+    # RLOO's judge +0.1 at 3 more nats: -0.2 on reward - 0.1 KL, on the 3 seeds both have
+    assert ("RLOO 2 x 4 against PPO at β = 0.1 on reward − β·KL held out: -0.20 ± "
+            in estimators_page.sentence(runs))
+    assert "(95% interval, 3 seeds a side): PPO ahead." in estimators_page.sentence(runs)
+    text = estimators_page.block(runs)
+    assert "| 6 | -0.40 | 5.00 | -0.20 ± " in text and "| behind PPO | — |" in text
+    assert "| REINFORCE (`--estimator reinforce`) | 0 |" in text and "not kept yet" in text

@@ -27,13 +27,12 @@ from support.optimum import (best_of_n_weights, by_score, optimum_point,
                              self_normalised_kl)
 from support.tables import markdown_table
 from tools.analysis import claims_sections as sections
-from tools.analysis.claims_runs import (BETA, NAMES, Part, Reading, bin_intervals, bin_pools, cell, common,
+from tools.analysis.claims_runs import (BETA, NAMES, RLOO, Part, Reading, bin_intervals, bin_pools, cell, common,
                                         compare, doubled, load, mean_of, over_sft, per_post,
                                         pools, seed_list, seeds_needed, win_rate)
 
 RUNS, PAGE = sections.RUNS, sections.PAGE
 PPO = "python ppo.py --beta 0.1"
-RLOO = "--estimator rloo --batch 2 --samples-per-prompt 4"
 LAMS = ["--lam 1", "", "--lam 0.5", "--lam 0"]     # λ 1, 0.95 (the baseline), 0.5, 0
 SWEEP_BETAS = (0, 0.01, 0.1, 0.5, 2)              # ppo.py's sweep (the post's)
 LAST = 10             # iterations: the end of a run's training, the controller's last word

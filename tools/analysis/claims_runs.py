@@ -30,6 +30,7 @@ from support.tables import markdown_table
 from tools.analysis.length_bins import EDGES, bin_name, bin_values
 
 BETA = 0.1        # the page's beta: the baseline's, and the objective's
+RLOO = "--estimator rloo --batch 2 --samples-per-prompt 4"     # RLOO 2 x 4, PPO's 8 samples
 # The settings of the baseline run (the quick start's judge and SFT model, the cpu preset,
 # beta = 0.1); a run's setting is the flags where its config differs from these.
 BASE = {"beta": 0.1, "estimator": "gae", "batch": 8, "samples_per_prompt": 1, "lam": 0.95,
