@@ -504,3 +504,31 @@ def test_the_estimators_table_judges_each_setting_on_the_objective(tmp_path):
     text = estimators_page.block(runs)
     assert "| 6 | -0.40 | 5.00 | -0.20 ± " in text and "| behind PPO | — |" in text
     assert "| REINFORCE (`--estimator reinforce`) | 0 |" in text and "not kept yet" in text
+
+
+def test_reward_noise_is_read_on_the_objective_with_a_doubled_pooled_seed_variance():
+    from support.intervals import paired_interval
+    from tools.analysis.claims_page import claims
+    from tools.analysis.claims_runs import doubled, pools
+    raft = {"estimator": "raft", "batch": 2, "samples_per_prompt": 4}
+    rloo = {"estimator": "rloo", "batch": 2, "samples_per_prompt": 4}
+    noise = [[0.3, -0.2, 0.1, 0.0], [-0.4, 0.5, 0.0, 0.2], [0.1, 0.1, -0.3, 0.4]]
+    runs = {"": seeds(3, lambda s: fake_run(s, [0.0] * 4)),
+            "--gamma 1": seeds(3, lambda s: fake_run(s, [0.2 * s + x for x in noise[s]])),
+            "--estimator raft --batch 2 --samples-per-prompt 4": {0: fake_run(0, [1.0] * 4, raft)},
+            "--estimator raft --batch 2 --samples-per-prompt 4 --reward-noise 1": {
+                0: fake_run(0, [0.0, 0.1, -0.1, 0.0], {**raft, "reward_noise": 1.0})},
+            "--estimator rloo --batch 2 --samples-per-prompt 4": {0: fake_run(0, [1.0] * 4, rloo)},
+            "--estimator rloo --batch 2 --samples-per-prompt 4 --reward-noise 1": {
+                0: fake_run(0, [0.5, 1.0, 0.5, 1.0], {**rloo, "reward_noise": 1.0})}}
+    rows, page = claims(runs, {})
+    row = next(r for r in rows if "under reward noise" in r[2])
+    # falls (KL 1 everywhere, so the objective's fall is the judge's): RAFT -1, -0.9, -1.1, -1;
+    # RLOO -0.5, 0, -0.5, 0; D = -0.5, -0.9, -0.6, -1
+    by_hand = paired_interval({0: [-1.0, -0.9, -1.1, -1.0]}, {0: [-0.5, 0.0, -0.5, 0.0]},
+                              doubled(pools(runs)["objective"]))
+    assert f"SD 1: RAFT -1.00, RLOO -0.25; RAFT's against RLOO's reward − β·KL -0.75 ± " \
+           f"{by_hand.high - by_hand.gain:.2f}" in row[4]
+    assert row[5].startswith(("holds", "not resolved")) and "(1 seed: the seed variance pooled" in row[5]
+    assert by_hand.se ** 2 > paired_interval({0: [-1.0, -0.9, -1.1, -1.0]},
+                                             {0: [-0.5, 0.0, -0.5, 0.0]}).se ** 2

@@ -16,8 +16,8 @@ Any seed the kept files hold is read; none is expected.
 Test: pytest tests/test_claims.py
 """
 import argparse
-import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 from support import cli
@@ -27,9 +27,10 @@ from support.optimum import (best_of_n_weights, by_score, optimum_point,
                              self_normalised_kl)
 from support.tables import markdown_table
 from tools.analysis import claims_sections as sections
-from tools.analysis.claims_runs import (BETA, NAMES, RLOO, Part, Reading, bin_intervals, bin_pools, cell, common,
-                                        compare, doubled, load, mean_of, over_sft, per_post,
-                                        pools, seed_list, seeds_needed, win_rate)
+from tools.analysis.claims_runs import (BETA, NAMES, RLOO, Part, Reading, bin_intervals,
+                                        bin_pools, cell, common, compare, doubled, load,
+                                        mean_of, over_sft, per_post, pools, seed_list,
+                                        seeds_needed, win_rate)
 
 RUNS, PAGE = sections.RUNS, sections.PAGE
 PPO = "python ppo.py --beta 0.1"
@@ -40,6 +41,9 @@ LAST = 10             # iterations: the end of a run's training, the controller'
 
 @dataclass(frozen=True)
 class Claim:
+    """One claim of the readings: a row of the page. A claim about one setting against
+    another names its `runs` and `measures`, and `paired` reads it (`read` may add a note
+    of its own); any other claim names the reader that makes its `Reading`."""
     number: str
     reading: str
     claim: str
@@ -59,24 +63,21 @@ def combine(words):
 
 
 def decide(reading):
-    """(verdict, seeds to resolve) of a row from its parts alone, with every measure shown
-    that moved past its interval. A claim with no direction is read on whether its first
-    measure moved."""
+    """(verdict, seeds to resolve) of a row from its parts' intervals alone (`verdict`,
+    `moved`), naming every measure shown that moved past its interval either way. A claim
+    with no direction is resolved where its measure moved."""
     if reading.verdict:
-        return reading.verdict, "n/a"
+        return reading.verdict, reading.seeds or "n/a"
     parts = reading.parts
-    if all(p.direction == 0 for p in parts):
-        word = {1: "rose", -1: "fell", 0: "did not move past its interval"}[
-            moved(parts[0].interval)]
-        said = f"no direction claimed: {parts[0].name} {word}"
-        open_ = [p for p in parts if not moved(p.interval)]
+    if all(p.direction == 0 for p in parts):           # read on whether it moved at all
+        said, open_ = "no direction claimed", [p for p in parts if not moved(p.interval)]
     else:
         words = [verdict(p.interval, p.direction) for p in parts]
         said = combine(words)
+        open_ = [p for p, w in zip(parts, words) if w == "not resolved"] * (
+            said == "not resolved")
         if len(set(words)) > 1:
             said += ": " + "; ".join(f"{p.name} {w}" for p, w in zip(parts, words))
-        open_ = [p for p, w in zip(parts, words) if w == "not resolved"] * (
-            said.split(":")[0] == "not resolved")
     went = [f"{name} {'up' if moved(iv) > 0 else 'down'}" for name, iv in reading.shown
             if moved(iv)]
     said += "; moved past its interval: " + ", ".join(went) if went else (
@@ -266,7 +267,7 @@ def by_length(claim, page):
     return Reading("win rate over SFT [95% interval, seeds and posts] by length over the "
                    "person's TL;DR: " + "; ".join(cells), [],
                    verdict="; ".join(verdicts) + f" (β = {', '.join(unrun)}: not yet run)" *
-                   bool(unrun)), "; ".join(seeds) or "—"
+                   bool(unrun), seeds="; ".join(seeds) or "—")
 
 
 def flip(claim, page):
@@ -348,15 +349,12 @@ CLAIMS = [
 def row(claim, page):
     """[#, reading, claim, command, measured, verdict, seeds to resolve] of one claim."""
     reading = (paired if claim.runs else claim.read)(claim, page)
-    seeds = None
-    if isinstance(reading, tuple) and not isinstance(reading, Reading):
-        reading, seeds = reading
     if reading is None:
         return [claim.number, claim.reading, claim.claim, f"`{claim.command}`", "—",
                 "not yet run: its runs are not kept", "—"]
     said, needed = decide(reading)
     return [claim.number, claim.reading, claim.claim, f"`{claim.command}`", reading.measured,
-            said, seeds or needed]
+            said, needed]
 
 
 class Page(NamedTuple):
@@ -411,7 +409,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     runs, other = load(args.runs)
     text = page(runs, other)
-    out = sections.Path(args.out)
+    out = Path(args.out)
     if args.check:
         same = out.exists() and out.read_text() == text
         print(f"{out}: {'the same as' if same else 'differs from'} what {args.runs} gives")

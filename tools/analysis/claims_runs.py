@@ -56,11 +56,13 @@ class Part(NamedTuple):
 
 class Reading(NamedTuple):
     """What a claim's reader found: the row's measured cell, the Parts its verdict reads,
-    every measure shown (name, Interval), or the verdict of a row that is no paired gain."""
+    every measure shown (name, Interval); or, for a row that is no one paired gain, its
+    verdict and seeds-to-resolve cell as they are."""
     measured: str
     parts: list
     shown: list = ()
     verdict: str = ""
+    seeds: str = ""
 
 
 # ------------------------------------------------------------------------ the files

@@ -10,7 +10,6 @@ from pathlib import Path
 import matplotlib
 
 from support.disk import save_figure
-from support.intervals import moved
 from support.optimum import best_of_n_weights, self_normalised_kl
 from support.report import optimum_curves
 from support.sweep import judge_sd
@@ -18,7 +17,7 @@ from support.tables import MEASURES, markdown_table
 from tools.analysis.claims_runs import (Reading, bin_intervals, bin_pools, dpo_groups,
                                         held_back, mean_of, seed_list, settings_table,
                                         sft_per_post, win_rate)
-from tools.analysis.length_bins import EDGES, bin_rows, pool
+from tools.analysis.length_bins import bin_rows, pool
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
