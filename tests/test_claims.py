@@ -487,7 +487,8 @@ def test_the_estimators_block_and_the_readme_sentence_are_the_kept_runs():
     assert same.value.code == 0
     readme = (DOCS.parent / "README.md").read_text()
     said = estimators_page.sentence(load(RUNS)[0])
-    assert " ".join(said.split()) in " ".join(readme.split())
+    assert " ".join(said.split()) in " ".join(readme.split()), (
+        f"README.md: quote `python -m tools.analysis.estimators_page`'s sentence: {said}")
 
 
 def test_the_estimators_table_judges_each_setting_on_the_objective(tmp_path):

@@ -89,8 +89,9 @@ def decide(reading):
                  else " (1 seed: posts only)")
     if not open_:
         return said, "—"
-    needed = [seeds_needed(p.interval) for p in open_]
-    return said, max(needed, key=lambda s: 101 if s == "> 100" else int(s))
+    if len(open_) == 1:
+        return said, seeds_needed(open_[0].interval)
+    return said, "; ".join(f"{p.name}: {seeds_needed(p.interval)}" for p in open_)
 
 
 # ------------------------------------------------------------------------ the readers
