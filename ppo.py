@@ -593,7 +593,7 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device, drawn=None
     these posts before, in these batches (sft.py's, `heldout.sft_draws`), in place of
     sampling them again. support/heldout.py turns them into the run's final numbers."""
     # In chunks of one iteration's responses: the same for every setting of
-    # tools/compare_estimators.py (8), so they share the reference's samples.
+    # tools/analysis/compare_estimators.py (8), so they share the reference's samples.
     eos, out, step = tokenizer.eos_token_id, [], cfg.batch * cfg.samples_per_prompt
     for i in tqdm(range(0, len(posts), step), desc="held-out samples", unit="batch",
                   leave=False):

@@ -43,7 +43,7 @@ adds it in. Without one, the interval counts the posts only and says so (`seeds_
 The verdict follows from the interval alone (`verdict`), and `seeds_to_resolve` says how many
 seeds would make an interval of the measured variances exclude zero at the measured gain.
 
-Used by: tools/claims_page.py and the other page makers. Test: pytest tests/test_intervals.py
+Used by: tools/analysis/claims_page.py and the other page makers. Test: pytest tests/test_intervals.py
 """
 
 import math

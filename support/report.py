@@ -621,7 +621,7 @@ def plot_sweep(table, baseline, path, group="beta", objective_beta=None, point="
 
 
 def optimum_curves(axes, optimum):
-    """The KL-regularised optimum and best-of-n (tools/optimum.py's JSON, support/optimum.py)
+    """The KL-regularised optimum and best-of-n (tools/analysis/optimum.py's JSON, support/optimum.py)
     on plot_sweep's three panels, the judge's reward, MRR and ROUGE-L against KL: a line
     per curve, each point labelled by its beta, and no error bars (their SEs over posts are
     in the JSON). `axes`: the three panels, in tables.MEASURES' order."""

@@ -29,7 +29,8 @@ import loaders
 import ppo
 import reward_model as rm
 from support import cli, heldout, measures, report, tables
-from tools import compare_estimators, floors, same_numbers
+from tools import floors, same_numbers
+from tools.analysis import compare_estimators
 from gae import advantages_and_returns, response_mask, shaped_rewards, whiten
 from lora import with_lora
 
@@ -895,7 +896,7 @@ def test_each_sample_keeps_its_prompts_group(tiny_judge, data_dir, tiny, tokeniz
 @pytest.mark.slow
 def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_model, small_data,
                                                                 tmp_path):
-    out = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
+    out = run("-m", "tools.analysis.compare_estimators", "--preset", "tiny", "--reward-model",
               str(tiny_reward_model), "--seeds", "0", "--settings", "rloo_4x2", "--out",
               str(tmp_path), "--data-dir", str(small_data), "--iterations", "1")
     assert "--estimator rloo --batch 4 --samples-per-prompt 2" in out
@@ -904,7 +905,7 @@ def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_mode
     assert "| rloo_4x2 | 1 |" in table and "| (ref) |" in table and "| people |" in table
     assert len({line.count("|") for line in table.splitlines()}) == 1     # columns line up
     assert (tmp_path / "estimators.png").stat().st_size > 1000
-    again = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
+    again = run("-m", "tools.analysis.compare_estimators", "--preset", "tiny", "--reward-model",
                 str(tiny_reward_model), "--seeds", "0", "--settings", "rloo_4x2", "--out",
                 str(tmp_path), "--data-dir", str(small_data), "--iterations", "1")
     assert "=== rloo_4x2: every run is over, nothing to run" in again
@@ -945,7 +946,7 @@ def test_compare_estimators_takes_ppo_from_the_beta_sweep_at_its_budget(tmp_path
 
 @pytest.mark.slow
 def test_compare_estimators_times_each_setting(tiny_reward_model, small_data, tmp_path):
-    out = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
+    out = run("-m", "tools.analysis.compare_estimators", "--preset", "tiny", "--reward-model",
               str(tiny_reward_model), "--time", "2", "--settings", "rloo_4x2", "reinforce",
               "--data-dir", str(small_data), "--out", str(tmp_path / "unused"))
     assert "tiny preset, beta 0.1, seed 0, 2 iterations each: mean seconds an iteration" in out
