@@ -65,7 +65,7 @@ from support import cli, disk, judge_baselines, rm_data
 from support.config import option, read_config
 from support.heldout import keep_for_judge, policy_row, reference_and_human, write_samples_page
 from support.quality import words
-from support.report import check_finite, print_row, print_row_header
+from support.report import check_finite, gradients, print_row, print_row_header
 from support.rm_data import pad
 from support.rm_report import pair_metrics
 
@@ -232,7 +232,8 @@ def train(policy, reference, pairs, cfg, pad_id, device):
         logp_w, logp_l = dpo_gradients(policy, batch, ref_w, ref_l, cfg, pad_id, device)
         row = curve_row(logp_w, logp_l, ref_w, ref_l, cfg.beta)
         check_finite(step + 1, "step", loss=row["loss"],        # NaN or inf: one line,
-                     logps=torch.stack([logp_w, logp_l]))        # nothing saved
+                     logps=torch.stack([logp_w, logp_l]),        # nothing saved
+                     gradient=gradients(adapter))
         optimizer.step()
         recent.append((logp_w, logp_l, ref_w, ref_l))
         bar.set_postfix(loss=f"{row['loss']:.3f}", margin=f"{row['rewards/margins']:+.3f}")

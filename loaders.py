@@ -31,9 +31,9 @@ Every post becomes one prompt layout, the post's (and trl-lib/tldr's):
     "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 
 Also here: ppo.py's prompt pool, per-iteration draw and batching (`load_prompts`,
-`batch_for`, `encode`, `micro_batches`: departure 7's groups of similar prompt lengths), and
-what depends on the device: `pick_device`, `native_bf16`, `fork_rng`, and the bf16 autocast
-contexts (`precision`, `heads_in_fp32`).
+`batch_for`, `encode`, `micro_batches`: departure 7's groups of similar prompt lengths), and,
+from support/devices.py, what depends on the device: `pick_device`, `native_bf16`,
+`fork_rng`, and the bf16 autocast contexts (`precision`, `heads_in_fp32`).
 
 Bad input is one line (a `cli.UserError`): support/cli.py imports nothing of this project,
 so this module, below support/ (whose modules import it), uses it without a cycle
@@ -43,7 +43,6 @@ Run `python loaders.py` to print what it finds.
 """
 
 import argparse
-import contextlib
 import csv
 import functools
 import importlib.util
@@ -61,6 +60,11 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from support import cli
+# The device and what depends on it live in support/devices.py; the scripts read them here,
+# as the post's DEVICE is read beside its models (`loaders.pick_device`).
+from support.devices import (DEVICE_ENV, at_precision, default_preset,  # noqa: F401
+                             fork_rng, heads_in_fp32, native_bf16, pick_device, precision,
+                             resolve_precision)
 
 hf_logging.disable_progress_bar()     # per-shard bars would bury our own output
 
@@ -94,137 +98,7 @@ class NoDataError(DataError):
     """No data folder and no hub: the message already says where data is looked for."""
 
 
-DEVICE_ENV = "RLHF_DEVICE"          # cpu, cuda or mps: the device every script uses
 RANDOM_WEIGHTS = "RANDOM_WEIGHTS"   # a file in save_architecture's folders: no weights, on purpose
-
-
-def pick_device():
-    """$RLHF_DEVICE when set (cpu, cuda, cuda:N or mps: the tests name the device they mean
-    with it), else CUDA, then Apple's MPS, then the CPU. cuda:N is made the current GPU here,
-    before anything is allocated: kernel launches, CUDA graphs, side streams, the RNG state
-    and the peak memory that ask for "the current GPU" then get GPU N."""
-    cpu_build_on_gpu = torch.version.cuda is None and nvidia_gpu_present()  # the lock's +cpu
-    if chosen := os.environ.get(DEVICE_ENV):
-        try:
-            device = torch.device(chosen)
-        except RuntimeError:
-            device = None
-        if device is None or device.type not in ("cpu", "cuda", "mps"):
-            raise cli.UserError(f"${DEVICE_ENV}={chosen}: not a device (cpu, cuda, cuda:N "
-                                "or mps)")
-        available = {"cpu": True, "cuda": torch.cuda.is_available(),
-                     "mps": torch.backends.mps.is_available()}[device.type]
-        if not available:
-            why = f" ({cpu_torch_note()})" if device.type == "cuda" and cpu_build_on_gpu else ""
-            raise cli.UserError(f"${DEVICE_ENV}={chosen}: no {device.type} device here{why}")
-        if device.type == "cuda" and device.index is not None:
-            count = torch.cuda.device_count()       # torchrun: each process its GPU already
-            if not device.index < count or "LOCAL_RANK" in os.environ:
-                raise cli.UserError(f"${DEVICE_ENV}={chosen}: " + (
-                    f"torchrun gives each process its GPU; set ${DEVICE_ENV}=cuda"
-                    if "LOCAL_RANK" in os.environ else f"cuda:0 to cuda:{count - 1} are here"))
-            torch.cuda.set_device(device.index)
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    if cpu_build_on_gpu:
-        say_once(f"note: {cpu_torch_note()}; running on the CPU")
-    return torch.device("cpu")
-
-
-def nvidia_gpu_present():
-    """Whether this machine has an NVIDIA GPU, whatever torch was built for: its driver's
-    files (Linux) or its nvidia-smi command."""
-    return (Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidia0").exists()
-            or shutil.which("nvidia-smi") is not None)
-
-
-def cpu_torch_note():
-    """Why this torch, a CPU build, cannot use the NVIDIA GPU here, and the fix."""
-    return (f"an NVIDIA GPU is here but torch {torch.__version__} is a CPU build; `pip "
-            f"uninstall -y torch && pip install torch=={torch.__version__.split('+')[0]}` "
-            "installs PyPI's CUDA build (docs/dependencies.md#which-torch)")
-
-
-@functools.lru_cache(maxsize=None)
-def say_once(line):
-    print(line)                                     # once a process, however often called
-
-
-def fork_rng():
-    """torch.random.fork_rng over the CPU's generator and the GPU's: the current CUDA device's,
-    or Apple's MPS generator (torch before 2.8 forks CUDA's only, and every GPU's by default)."""
-    if torch.backends.mps.is_available():
-        return torch.random.fork_rng([0], device_type="mps")
-    gpus = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    return torch.random.fork_rng(gpus, device_type="cuda")
-
-
-def native_bf16(device):
-    """Whether bf16 matmuls are native on `device`: a CUDA GPU of compute capability 8.0 or
-    newer (Ampere on; torch's `is_bf16_supported` also counts the emulated bf16 of a T4 or a
-    V100), or a CPU with AVX512-BF16 or AMX (from Linux's /proc/cpuinfo). Elsewhere they are
-    emulated, and slower."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 0)
-    if device.type != "cpu":
-        return False
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
-def resolve_precision(choice, device):
-    """--precision's value for a run on `device`: `auto` is bf16 where bf16 matmuls are
-    native (`native_bf16`) and fp32 elsewhere. ValueError for bf16 on Apple MPS, where
-    bf16 autocast is untested here."""
-    if choice == "auto":
-        choice = "bf16" if native_bf16(device) else "fp32"
-    if choice == "bf16" and torch.device(device).type == "mps":
-        raise ValueError("argument --precision: bf16 runs on CUDA and on CPUs here; on Apple "
-                         "MPS use fp32 (bf16 autocast there is untested)")
-    return choice
-
-
-def precision(cfg, device):
-    """The context for every transformer-body pass: bf16 autocast with --precision bf16,
-    else nothing at all (fp32, as the post; and no autocast object on Apple MPS, which
-    torch 2.4 does not know). The log-prob gather and the value head opt out of it
-    (`heads_in_fp32`), so log-probs, values and losses are fp32 either way."""
-    if cfg.precision != "bf16":
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-
-
-def at_precision(name, device):
-    """A model's passes at the precision it was trained in, `name` ("fp32" or "bf16"),
-    whatever autocast the caller set: the judge, trained in fp32, scores in fp32 inside PPO's
-    bf16 bodies (and one trained with --precision bf16 in bf16 everywhere)."""
-    kind = torch.device(device).type
-    if name == "bf16":
-        return torch.autocast(kind, dtype=torch.bfloat16)
-    if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
-        return torch.autocast(kind, enabled=False)
-    return contextlib.nullcontext()
-
-
-def heads_in_fp32(hidden):
-    """Autocast off, for the LM and value heads that read `hidden`, where the bodies ran under
-    it (bf16 on CUDA or the CPU); nothing otherwise."""
-    kind = hidden.device.type
-    if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
-        return torch.autocast(kind, enabled=False)
-    return contextlib.nullcontext()
-
-
-def default_preset():
-    """The preset a script picks when given none: `blog` with CUDA or MPS, else `cpu`."""
-    return "cpu" if pick_device().type == "cpu" else "blog"
 
 
 def positions(mask):

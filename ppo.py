@@ -81,8 +81,8 @@ from support import cli, disk, sweep
 from support.config import option, read_config
 from support.heldout import evaluate_run, reference_and_human
 from support.measures import copied_bigrams
-from support.report import (Laps, check_finite, check_run_folders, record_iteration,
-                            save_checkpoint, start_results, step_log)
+from support.report import (Laps, check_finite, check_run_folders, gradients,
+                            record_iteration, save_checkpoint, start_results, step_log)
 from support.sweep import out_folder, run_config, run_dir_for, runs
 
 
@@ -516,6 +516,7 @@ def train(cfg, beta, seed, models, pool, run_dir, progress=True, noise_sd=0.0):
         logs = []
         for step in range(cfg.inner_steps):
             log, ratios = accumulate_gradients(policy, value_head, batch, cfg, tokenizer)
+            check_finite(iteration, gradient=gradients(trainable))     # before the step
             parallel.sum_gradients(trainable)           # torchrun: the whole batch's gradient
             if step == 0:       # the post's probe, before any step, on every rank's tokens
                 ratio_min, ratio_max = check_ratio(parallel.gather(ratios))
@@ -592,7 +593,7 @@ def rollouts(model, reference, reward, tokenizer, posts, cfg, device, drawn=None
     these posts before, in these batches (sft.py's, `heldout.sft_draws`), in place of
     sampling them again. support/heldout.py turns them into the run's final numbers."""
     # In chunks of one iteration's responses: the same for every setting of
-    # tools/compare_estimators.py (8), so they share the reference's samples.
+    # tools/analysis/compare_estimators.py (8), so they share the reference's samples.
     eos, out, step = tokenizer.eos_token_id, [], cfg.batch * cfg.samples_per_prompt
     for i in tqdm(range(0, len(posts), step), desc="held-out samples", unit="batch",
                   leave=False):

@@ -694,7 +694,6 @@ def run(config, staging, start):
         score, tokenizer, rm_data.evaluation_reserve(tokenizer, data, config), encoded,
         gap_samples, config)
     metrics.update(rm_report.relevance_metrics(extra["relevance"]))
-    metrics.update(judge_baselines.headline(baselines))
     extra.update(baselines=baselines, preset=config.preset, normalisation_bias=model.bias.item(),
                  normalisation_sources=sources, train_accuracy=train_accuracy,
                  human_train_pairs=len(human_pairs), sampling_seconds=sampling_seconds,

@@ -22,11 +22,14 @@ starting value. Both paths compute the same quantities with fp32 accumulation an
 against one float64 oracle, so switching backend never changes what a function means.
 
 Triton is optional: without it (macOS) everything runs on the fallback and
-set_backend("triton") raises. Where it is installed but cannot build a kernel (no C compiler,
-no CUDA driver library), "auto" finds out once, on its first CUDA tensor, by building the
-log-prob kernel on a tiny input: one line says so and the fallback runs; "triton" makes the
-same attempt on its first tensor, wherever it is, and stops there with that line
-(`TritonCannotBuild`, a one-line error of the scripts; RLHF_KERNELS_BACKEND=torch skips it).
+set_backend("triton") raises. A bad RLHF_KERNELS_BACKEND, or "triton" where Triton is not
+installed, does not stop `import ppo_kernels`: the scripts raise it as one line before
+anything loads (`check_environment`, from support/config.py), and so does any kernel call.
+Where Triton is installed but cannot build a kernel (no C compiler, no CUDA driver library),
+"auto" finds out once, on its first CUDA tensor, by building the log-prob kernel on a tiny
+input: one line says so and the fallback runs; "triton" makes the same attempt on its first
+tensor, wherever it is, and stops there with that line (`TritonCannotBuild`, a one-line error
+of the scripts; RLHF_KERNELS_BACKEND=torch skips it).
 
 Test:  python -m pytest -q tests/test_kernels.py
 Bench: python -m tools.bench_kernels
@@ -41,6 +44,7 @@ from support import cli
 from . import clipped_loss, fused_linear, logprob
 
 BACKENDS = ("auto", "triton", "torch")
+ENV = "RLHF_KERNELS_BACKEND"               # the starting backend
 _backend = "auto"
 
 
@@ -48,21 +52,33 @@ class TritonCannotBuild(cli.UserError):
     """RLHF_KERNELS_BACKEND=triton where Triton cannot build: the scripts print one line."""
 
 
+class BackendError(cli.UserError, ValueError):
+    """A backend not in BACKENDS, or "triton" where Triton is not installed: one line."""
+
+
 def set_backend(name):
     """Choose "auto", "triton" or "torch" for every function below; returns the previous one."""
     global _backend
     if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r} (check "
-                         f"RLHF_KERNELS_BACKEND)")
+        raise BackendError(f"backend must be one of {BACKENDS}, got {name!r} (check {ENV})")
     if name == "triton" and logprob.triton is None:
-        raise RuntimeError("set_backend('triton'): Triton is not installed (pip install triton, "
-                           "on Linux with a CUDA GPU); 'auto' or 'torch' run the PyTorch fallback")
+        raise BackendError(f"the Triton backend ({ENV}=triton) needs Triton, which is not "
+                           "installed here (it is for Linux with an NVIDIA GPU; none exists for "
+                           f"macOS); unset {ENV}, or {ENV}=torch, to run the PyTorch path, which "
+                           "computes the same")
     previous, _backend = _backend, name
     return previous
 
 
+def check_environment():
+    """Raise the one-line error of a bad RLHF_KERNELS_BACKEND, kept from import; else nothing."""
+    if _environment_error is not None:
+        raise _environment_error
+
+
 def _resolve(tensor):
     """The one place a backend is picked: 'triton' or 'torch' for this input."""
+    check_environment()
     if _backend == "auto":
         return ("triton" if tensor.is_cuda and logprob.triton is not None
                 and triton_builds(tensor.device) else "torch")
@@ -121,7 +137,14 @@ def masked_log_prob_loss(logp, logp_old, adv, mask, clip=0.2):
     return clipped_loss.masked_log_prob_loss(logp, logp_old, adv, mask, clip)
 
 
-set_backend(os.environ.get("RLHF_KERNELS_BACKEND", "auto"))
+# The starting backend, from the environment. A bad value is kept, not raised: an import is
+# outside the scripts' one-line errors (cli.run_script), so they raise it (check_environment).
+try:
+    set_backend(os.environ.get(ENV, "auto"))
+    _environment_error = None
+except BackendError as error:
+    _environment_error = error
 
 __all__ = ["gather_log_probs", "gather_log_probs_from_hidden", "masked_clipped_loss",
-           "masked_log_prob_loss", "set_backend", "TritonCannotBuild"]
+           "masked_log_prob_loss", "set_backend", "check_environment", "BackendError",
+           "TritonCannotBuild"]

@@ -1,10 +1,11 @@
-"""How ppo.py and reward_model.py read their settings: one dataclass, presets, then flags.
+"""How the scripts read their settings: one dataclass, presets, then flags.
 
 Each script declares a `Config` dataclass whose fields carry their --help text (`option`),
 named presets (override sets, printed at start-up), the allowed range of every number
 (`cli.Range`) and the choices of every text flag. `read_config` turns that into argparse
 flags, applies defaults, then the preset, then the flags given, and checks every value
-before anything loads: a bad one exits with status 2 and one line (argparse's way).
+before anything loads: a bad one exits with status 2 and one line (argparse's way); a bad
+$RLHF_DEVICE or $RLHF_KERNELS_BACKEND with status 1 and one line (a cli.UserError).
     --flag-name     one per field (underscores become dashes); bool fields are switches,
                     tuple fields take one value or more (ppo.py's --beta 0 0.1, --seeds 0 1)
     --model, --data-dir, --debug    shared by every script (loaders.add_common_args)
@@ -17,6 +18,7 @@ import argparse
 import dataclasses
 
 import loaders
+import ppo_kernels
 from support import cli
 
 
@@ -53,6 +55,7 @@ def read_config(config_class, presets, ranges, choices, argv=None, description=N
     add_flags(parser, config_class, choices)
     args = vars(parser.parse_args(argv))
     args.pop("debug")                                    # read by cli.run_script
+    ppo_kernels.check_environment()                      # $RLHF_KERNELS_BACKEND, one line
     preset = args["preset"] or "auto"
     if preset == "auto":
         preset = loaders.default_preset()

@@ -8,7 +8,10 @@ A run folder is the --out of `ppo.py` (a run, or a sweep and each run in it) and
        `flock`, which the operating system drops when the process dies (kill -9 included),
        so nothing is left to clean up by hand. A second process that wants the folder, for
        a new run, --resume or --force, stops at once with one line naming the folder and
-       the process that holds it. Under torchrun rank 0 holds the locks.
+       the process that holds it. Under torchrun rank 0 holds the locks. What a killed run
+       left of its temporaries (3. below: a folder being made, an old one moved aside, a
+       file being written) is removed by the next process that takes the lock
+       (`remove_stale`): every writer holds a folder first, so none of them is a live run's.
     2. A disk too full for the results. `check_room(folder, need, what)` refuses a run in one
        line (needed, free, where) before its long part starts; each script says what it will
        write (report.run_bytes, reward_model.saved_bytes).
@@ -34,6 +37,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -79,6 +83,8 @@ def _holding(folder):
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = _lock(path, folder)
+        if fd is not None:                        # held: no live run is writing beside it
+            remove_stale(folder)
         try:
             yield
         finally:
@@ -123,6 +129,46 @@ def _unlock(fd, path):
         if os.path.samestat(os.fstat(fd), os.stat(path)):
             path.unlink()
     os.close(fd)
+
+
+# The hidden temporaries of section 3, by name: a folder being made (write_aside:
+# .NAME.tmp-XXXXXXXX, mkdtemp's 8 characters), an old one moved aside (publish: .NAME.old-PID),
+# a file being written (replacing: .STEM.XXXXXXXX.tmp.SUFFIX).
+FOLDER_TEMPORARY = r"\.(?P<name>{name})\.(?:tmp-[a-z0-9_]{{8}}|old-\d+)"
+FILE_TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp(?:\.[^.]+)?")
+
+
+def remove_stale(folder):
+    """Remove what killed runs left of their temporaries for `folder`: its own, beside it,
+    and inside it those of its files and of the folders no lock names (a checkpoint). Call
+    it holding `folder`: every process that makes them holds the folder first (a folder
+    inside with a lock file may be another live process's), so none is a live run's. Prints
+    one line if any."""
+    folder = Path(folder)
+    beside = re.compile(FOLDER_TEMPORARY.format(name=re.escape(folder.name)))
+    inside = re.compile(FOLDER_TEMPORARY.format(name=".+"))
+
+    def unheld(match):
+        return match and not (folder / f".{match['name']}.lock").exists()
+    stale = [p for p in _entries(folder.parent) if beside.fullmatch(p.name)] + [
+        p for p in _entries(folder) if unheld(inside.fullmatch(p.name)) and p.is_dir()
+        or FILE_TEMPORARY.fullmatch(p.name) and p.is_file()]
+    for path in stale:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    if stale:
+        print(f"removed what a stopped run left of {folder}: "
+              + ", ".join(p.name for p in stale))
+
+
+def _entries(folder):
+    try:
+        return [p for p in folder.iterdir() if p.name.startswith(".")]
+    except OSError:                               # not there yet, or not a folder
+        return []
 
 
 def _holder(path):

@@ -55,7 +55,7 @@ BASELINE_KEY = ("model", "reward_model", "reward", "data_dir", "preset", "prompt
 
 def held_out_batch(cfg):
     """How many held-out posts ppo.rollouts samples at once: one iteration's responses,
-    batch x samples_per_prompt (8 for every setting of tools/compare_estimators.py, which
+    batch x samples_per_prompt (8 for every setting of tools/analysis/compare_estimators.py, which
     so share the reference's rows). The draws depend on it, not on its two factors."""
     return cfg.batch * cfg.samples_per_prompt
 

@@ -7,7 +7,7 @@ summary scores what the judges score. Three such rules, each a score per summary
     system   the win rate of the summary's system over the judge's training comparisons
              (a system never seen there: 1/2)
     length   the summary's tokens: "the longer wins"
-    sft      log pi_SFT(y|x), the SFT model's log-probability (tools/judge_baselines.py
+    sft      log pi_SFT(y|x), the SFT model's log-probability (tools/analysis/judge_baselines.py
              and dpo.py have that model; reward_model.py's own report leaves it out)
 Every accuracy here is on distinct pairs: a pair is its post and its two summary texts,
 unordered (`rm_data.pair_id`); the votes of a pair seen more than once are averaged, so
@@ -16,7 +16,8 @@ when it scores the chosen summary higher (a tie counts one half, as `pairwise_ac
     (B1) c_i = mean over pair i's votes of 1[r(y_w) > r(y_l)] (+ 1/2 on a tie)
     (B2) accuracy = mean_i c_i over the m distinct pairs; Wilson 95% on m (R4)
     (B3) a judge against a rule on the same pairs: d_i = c_i(judge) - c_i(rule),
-         mean d +- 1.96 SD(d) / sqrt(m)     (a paired normal interval, not two intervals)
+         mean d +- t_{0.975, m-1} SD(d) / sqrt(m)   (paired, not two intervals: the
+         one rule of support/intervals.py, the pairs its posts, one seed)
 By contrast: each accuracy on every contrast with enough distinct pairs, on all but the
 largest contrast (batch18's six) and on the contrasts where the system and length rules
 are nearest chance (`near_chance`, decided on the training comparisons, not held out).
@@ -30,8 +31,7 @@ from collections import Counter
 
 import torch
 
-from support.measures import paired_gain
-from support.quality import paired_difference
+from support import intervals
 from support.rm_report import wilson_interval
 
 RULES = ("system", "length", "sft")
@@ -103,14 +103,19 @@ def accuracy(c):
             "pairs": m}
 
 
-def paired_interval(a, b, z=1.96):
-    """(B3) a - b on the same (m,) distinct pairs: {difference, se, low, high, pairs}; the
-    mean and SE are `quality.paired_difference`'s (NaN with no pair)."""
+def paired_interval(a, b):
+    """(B3) a - b on the same (m,) distinct pairs: {difference, se, df, low, high, pairs}, by
+    support/intervals.py's one rule with the pairs as its posts and one seed (a judge is
+    one fixed model): mean d -+ t_{0.975, m-1} SE. NaN with fewer than two pairs."""
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    mean, se = paired_difference(a.tolist(), b.tolist()) if len(a) else (math.nan, math.nan)
-    # (B3)  mean d -+ z SE,   z = 1.96 for 95%
-    return {"difference": mean, "se": se, "low": mean - z * se, "high": mean + z * se,
-            "pairs": len(a)}
+    if len(a) < 2:
+        nan = math.nan
+        return {"difference": (a - b).mean().item() if len(a) else nan, "se": nan, "df": nan,
+                "low": nan, "high": nan, "pairs": len(a)}
+    # (B3)  d_i = c_i(a) - c_i(b);  mean d -+ t_{0.975, m-1} SD(d) / sqrt(m)
+    got = intervals.paired_interval({0: a.tolist()}, {0: b.tolist()})
+    return {"difference": got.gain, "se": got.se, "df": got.df, "low": got.low,
+            "high": got.high, "pairs": len(a)}
 
 
 def contrast_strength(train_pairs, rates):
@@ -221,10 +226,10 @@ def dpo_near_chance(runs, kept):
     """DPO's implicit judge against the explicit judge on the near-chance pairs (issue 75).
 
     runs: dpo.py results.json dicts (one per seed), each with final.judges.baselines;
-    kept: tools/judge_baselines.py's JSON, whose `near_chance` contrasts and split
+    kept: tools/analysis/judge_baselines.py's JSON, whose `near_chance` contrasts and split
     fingerprint decide the pairs. Per seed: the accuracies (B2) of implicit, content and
     full and implicit minus content and minus full (B3); pooled over the seeds:
-    `measures.paired_gain` (its SE the larger of over seeds and over pairs), +- 1.96 SE.
+    support/intervals.py's one rule, seeds and pairs crossed.
     A run with no per-pair data (or of another split) raises ValueError naming it.
     """
     near, seeds = set(kept["near_chance"]), []
@@ -249,24 +254,17 @@ def dpo_near_chance(runs, kept):
             per_seed[s][seed] = v.tolist()
     out = {"contrasts": sorted(near), "seeds": seeds}
     for s in ("content", "full"):
-        # measures.paired_gain: the mean over seeds and pairs, its SE the larger of the SE
-        # over seeds and the SE over pairs (of the seeds' mean per pair)
-        gain, se, source = paired_gain(per_seed["implicit"], per_seed[s])
-        out[f"pooled_implicit_minus_{s}"] = {
-            "difference": gain, "se": se, "low": gain - 1.96 * se, "high": gain + 1.96 * se,
-            "pairs": len(next(iter(per_seed[s].values()), [])), "se_over": source}
+        # support/intervals.py's one rule over seeds and pairs (crossed, Satterthwaite's t)
+        got = intervals.paired_interval(per_seed["implicit"], per_seed[s]) if seeds and \
+            len(next(iter(per_seed[s].values()))) > 1 else None
+        out[f"pooled_implicit_minus_{s}"] = (
+            {"difference": got.gain, "se": got.se, "df": got.df, "low": got.low,
+             "high": got.high, "pairs": got.posts, "seeds": got.seeds} if got else
+            {**paired_interval([], []), "seeds": len(seeds)})
     return out
 
 
 # ------------------------------------------------------------------ plumbing: keys and lines
-
-def headline(b):
-    """metrics.json's top-level keys: on every distinct held-out pair, each scorer's
-    accuracy (`<scorer>_distinct_accuracy`), their count and the near-chance contrasts."""
-    g = b["groups"]["all"]
-    return {"heldout_distinct_pairs": g["pairs"], "near_chance_contrasts": b["near_chance"],
-            **{f"{s}_distinct_accuracy": a["accuracy"] for s, a in g["accuracy"].items()}}
-
 
 def print_baselines(b, judges):
     """The rules beside the judges, by group, as `summary_lines` writes them."""

@@ -6,7 +6,7 @@ evaluation with every post's numbers (reward, the reference's reward on that pos
 KL, ROUGE-L, retrieval rank, ...), texts only for the first few posts. `summary.json` is
 that, written by every run (`support/heldout.evaluate_run`) and copied into `docs/runs/` by
 `python -m tools.keep_runs`; every table and plot of a page is remade from those copies
-(`python -m tools.claims_page`, and the other pages' commands).
+(`python -m tools.analysis.claims_page`, and the other pages' commands).
 
     summarize_run(results)   results.json's dict -> the summary (same keys, no texts
                              beyond TEXTS posts but each summary's words, no ids, no

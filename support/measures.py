@@ -24,19 +24,19 @@ Across the runs of a sweep (report.report_sweep):
     spearman         Spearman's rank correlation, e.g. of beta with the final KL: the
                      Pearson correlation of the ranks, tied values sharing their mean rank
 
-How concentrated a model's next-token distribution is (tools/concentration.py; the
+How concentrated a model's next-token distribution is (tools/analysis/concentration.py; the
 reference note 004 explains the fall of reward with GAE's lambda by it):
     concentration    per response position, pi(top token), the sum of the top 16 and the
                      normalised entropy H / log V; post_means averages each over a post
 
-By the length of a summary against the person's TL;DR (tools/length_bins.py):
+By the length of a summary against the person's TL;DR (tools/analysis/length_bins.py):
     length_bin       which of the bins cut at `edges` a length ratio falls in
     win_rate         the share of posts where the policy's reward beats the reference's,
                      ties counting one half
 
 Nothing here runs a model: `heldout.rollouts` samples and scores, these functions count.
 
-Used by: heldout.py, report.py, tools/concentration.py, tools/length_bins.py.
+Used by: heldout.py, report.py, tools/analysis/concentration.py, tools/analysis/length_bins.py.
 Test: pytest tests/test_ppo.py -k "eos or bigram or gain or summarize or spearman or question"
       pytest tests/test_analysis_tools.py -k "concentration or bin or win"
 """
@@ -185,28 +185,3 @@ def win_rate(rewards, ref_rewards):
         return math.nan
     # win = 1/n sum_i ([r_i > r'_i] + 1/2 [r_i = r'_i])
     return sum((r > q) + 0.5 * (r == q) for r, q in zip(rewards, ref_rewards)) / len(rewards)
-
-
-def paired_gain(values, base):
-    """The gain of one setting over another on the same held-out posts, with an SE that counts
-    both sources of noise. values, base: {seed: [x_i for each post i]}, paired by seed and
-    post (seeds both have); returns (gain, SE, the SE's source: "seeds" or "posts").
-
-    Every run samples its held-out summaries with one shared seed, so two runs near the same
-    policy draw nearly the same summaries and the SE over seeds alone can be far too small:
-    the larger of the two is taken.
-        d_si = x_si - y_si                 (seed s, post i)
-        gain = mean_s mean_i d_si
-        SE over seeds = sd_s(mean_i d_si) / sqrt(S)      (none for one seed)
-        SE over posts = sd_i(mean_s d_si) / sqrt(n)
-    """
-    seeds = sorted(set(values) & set(base))
-    if not seeds:
-        return math.nan, math.nan, None
-    d = torch.tensor([[x - y for x, y in zip(values[s], base[s], strict=True)] for s in seeds],
-                     dtype=torch.float64)                               # (S, n)
-    over_seeds = standard_error(d.mean(1).tolist())
-    over_posts = standard_error(d.mean(0).tolist())
-    if math.isnan(over_seeds) or over_posts >= over_seeds:
-        return d.mean().item(), over_posts, "posts"
-    return d.mean().item(), over_seeds, "seeds"

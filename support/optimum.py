@@ -38,7 +38,7 @@ sum_i w_i log(k w_i) <= log k (all weight on one sample), so at small beta the o
 and reward are those of best-of-k at most: k = 16 caps the KL at log 16 = 2.77 nats. The
 effective sample size 1 / sum_i w_i^2 says how many samples carry the weight.
 
-Nothing here runs a model: tools/optimum.py samples and scores, these functions weigh.
+Nothing here runs a model: tools/analysis/optimum.py samples and scores, these functions weigh.
 Test: pytest tests/test_analysis_tools.py -k "optimum or best_of"
 """
 import math
@@ -82,6 +82,16 @@ def best_of_n_weights(k, n):
     # (B1)  weight of r_(i) = C(i-1, n-1) / C(k, n), i = 1..k (0 for i < n)
     return torch.tensor([math.comb(i - 1, n - 1) / math.comb(k, n) for i in range(1, k + 1)],
                         dtype=torch.float64)                           # (k,)
+
+
+def self_normalised_kl(w):
+    """(O5)'s estimate of KL(pi || pi_ref) for any weights w (k,) on k samples of pi_ref:
+    sum_i w_i log(k w_i), 0 log 0 = 0; at most log k. The optimum's KL, and best-of-n's on
+    the same basis with (B1)'s weights (docs/claims.md puts the two on one basis so)."""
+    w = torch.as_tensor(w, dtype=torch.float64)                        # (k,)
+    kept = w[w > 0]
+    # KL ~ sum_i w_i log(k w_i)
+    return (kept * torch.log(len(w) * kept)).sum().item()
 
 
 def best_of_n_kl(n):

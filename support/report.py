@@ -621,7 +621,7 @@ def plot_sweep(table, baseline, path, group="beta", objective_beta=None, point="
 
 
 def optimum_curves(axes, optimum):
-    """The KL-regularised optimum and best-of-n (tools/optimum.py's JSON, support/optimum.py)
+    """The KL-regularised optimum and best-of-n (tools/analysis/optimum.py's JSON, support/optimum.py)
     on plot_sweep's three panels, the judge's reward, MRR and ROUGE-L against KL: a line
     per curve, each point labelled by its beta, and no error bars (their SEs over posts are
     in the JSON). `axes`: the three panels, in tables.MEASURES' order."""
@@ -740,8 +740,11 @@ def step_log(iteration, parts, rows, n_seq, n_tok, with_ptx=False):
 
 
 def gradients(parameters):
-    """Every gradient of `parameters` in one (n,) tensor, for `check_finite` before a step."""
-    return torch.cat([p.grad.flatten() for p in parameters if p.grad is not None])
+    """Every gradient of `parameters` in one (n,) tensor, for `check_finite` before a step.
+    A parameter with no gradient counts as zeros, as `parallel.sum_gradients` then makes it:
+    under torchrun a rank with no pairs in a short last batch has none at all."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                      for p in parameters])
 
 
 class NonFiniteError(cli.UserError):
@@ -751,10 +754,11 @@ class NonFiniteError(cli.UserError):
 def check_finite(iteration, unit="iteration", **named):
     """Stop at the first of the `named` tensors (or floats) that holds a NaN or an inf.
 
-    ppo.py calls it before the backward pass and the optimizer step, and before the
-    iteration's results row and checkpoint are written: the last checkpoint is the last good
-    state; sft.py and reward_model.py at each step (unit "step") on the loss and the
-    gradients (`gradients`), before the optimizer steps on them and before anything is saved.
+    ppo.py calls it before the backward pass, on the gradients (`gradients`) before each
+    optimizer step, and before the iteration's results row and checkpoint are written: the
+    last checkpoint is the last good state; sft.py, reward_model.py and dpo.py at each step
+    (unit "step") on the loss and the gradients, before the optimizer steps on them and
+    before anything is saved.
     Under torchrun it counts every rank's tensor values, so every rank stops, or none; a
     float is a value every rank already shares (a loss summed over the ranks).
     """

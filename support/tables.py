@@ -1,6 +1,6 @@
 """Tables of many runs: the judge's reward beside the measures it never saw.
 
-The sweep (ppo.py with several betas and seeds) and tools/compare_estimators.py group their
+The sweep (ppo.py with several betas and seeds) and tools/analysis/compare_estimators.py group their
 runs, by beta or by estimator, and show each group the same way, as means over its seeds:
 
     judge's reward   r on the held-out posts: mean ± SE over seeds, worst to best seed
@@ -17,7 +17,7 @@ sft.py's start (SmolLM2), OpenAI's 1.3B PPO policy (the data's summaries) and pe
 `beside_sft` counts the runs of a group that beat the reference by more than 2 SE (over
 posts) on each measure; `peaks` names the group where each measure is highest.
 
-Used by: report.py (the sweep), tools/compare_estimators.py, tools/transcribed_tables.py.
+Used by: report.py (the sweep), tools/analysis/compare_estimators.py, tools/analysis/transcribed_tables.py.
 Test: pytest tests/test_ppo.py -k tables
 """
 

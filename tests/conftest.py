@@ -114,22 +114,33 @@ def judge_data(tmp_path_factory, tldr_posts, data_dir):
     return folder
 
 
-@pytest.fixture(scope="session")
-def tiny_judge(tmp_path_factory, data_dir):
-    """An untrained tiny reward model's folder, in a second, for the tests that only load
-    and call one: a non-zero adapter, and a length weight and bias, so that every term of
-    its score takes part and `content` differs from `full`. Its config.json says how the
-    tiny preset splits the comparisons of `data_dir`, as reward_model.py's would."""
+def save_tiny_judge(folder, data_dir):
+    """An untrained tiny reward model saved in `folder`: a non-zero adapter, and a length
+    weight and bias, so that every term of its score takes part and `content` differs from
+    `full`. Its config.json says how the tiny preset splits the comparisons of `data_dir`
+    (None: the default), as reward_model.py's would, so dpo.py accepts it there."""
     model, _ = tiny_model()
     with torch.no_grad():
         model.length_weight.fill_(0.5)
         model.bias.fill_(-0.25)
     config = rm.Config(**{**rm.PRESETS["tiny"], "data_dir": str(data_dir or "")})
     model.settings["split"] = rm_data.split_settings(config, rm_data.load_and_split(config))
-    out = tmp_path_factory.mktemp("judge") / "reward_model"
-    out.mkdir()
-    rm.save_reward_model(model, out)
-    return out
+    folder.mkdir()
+    rm.save_reward_model(model, folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_judge(tmp_path_factory, data_dir):
+    """An untrained tiny judge's folder (`save_tiny_judge`), in a second, for the tests that
+    only load and call one; its split is of the default data folder."""
+    return save_tiny_judge(tmp_path_factory.mktemp("judge") / "reward_model", data_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_judge_small(tmp_path_factory, judge_data):
+    """The same untrained tiny judge, its split of `judge_data`'s 96 comparisons."""
+    return save_tiny_judge(tmp_path_factory.mktemp("judge_small") / "reward_model", judge_data)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import torch
 
 from support import optimum
 from support.measures import concentration, length_bin, post_means, win_rate
-from tools import length_bins
+from tools.analysis import length_bins
 
 
 # ------------------------------------------------------------------ concentration
@@ -198,7 +198,7 @@ def test_length_bins_refuse_a_run_with_no_lengths(tmp_path):
 
 @pytest.mark.slow
 def test_concentration_command_on_the_tiny_preset(small_data, tmp_path, capsys):
-    from tools import concentration as command
+    from tools.analysis import concentration as command
     out = tmp_path / "sub" / "concentration.json"
     command.main(["--preset", "tiny", "--data-dir", str(small_data), "--out", str(out)])
     saved = json.loads(out.read_text())
@@ -214,7 +214,7 @@ def test_concentration_command_on_the_tiny_preset(small_data, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_optimum_command_on_the_tiny_preset(small_data, tiny_judge, tmp_path, capsys):
-    from tools import optimum as command
+    from tools.analysis import optimum as command
     out = tmp_path / "optimum.json"
     command.main(["--preset", "tiny", "--data-dir", str(small_data), "--reward-model",
                   str(tiny_judge), "--samples", "3", "--out", str(out)])

@@ -28,7 +28,7 @@ import reward_model as rm
 import sft
 from device_rules import Float64OnDevice, NoFloat64OnDevice
 from lora import with_lora
-from support import cli, parallel, report
+from support import cli, devices, parallel, report
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
@@ -56,11 +56,11 @@ def test_a_cpu_torch_beside_an_nvidia_gpu_says_so_once_with_the_fix(monkeypatch,
     monkeypatch.setattr(torch.version, "cuda", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    monkeypatch.setattr(loaders, "nvidia_gpu_present", lambda: False)
-    loaders.say_once.cache_clear()
+    monkeypatch.setattr(devices, "nvidia_gpu_present", lambda: False)
+    devices.say_once.cache_clear()
     assert loaders.pick_device() == torch.device("cpu")
     assert capsys.readouterr().out == ""                    # no GPU: nothing to say
-    monkeypatch.setattr(loaders, "nvidia_gpu_present", lambda: True)
+    monkeypatch.setattr(devices, "nvidia_gpu_present", lambda: True)
     assert loaders.pick_device() == loaders.pick_device() == torch.device("cpu")
     fix = "`pip uninstall -y torch && pip install torch==2.13.0`"
     assert capsys.readouterr().out.splitlines() == [
@@ -70,6 +70,47 @@ def test_a_cpu_torch_beside_an_nvidia_gpu_says_so_once_with_the_fix(monkeypatch,
     with pytest.raises(cli.UserError, match=r"no cuda device here \(an NVIDIA GPU is here.*"
                                             r"pip install torch==2\.13\.0"):
         loaders.pick_device()
+
+
+def test_a_cuda_torch_whose_driver_is_too_old_says_so_once_and_runs_on_the_cpu(monkeypatch,
+                                                                              capsys):
+    """PyPI's torch 2.13.0 is CUDA 13.0's build: beside a GPU whose driver is older than CUDA
+    13 needs (faked here: 535), torch.cuda.is_available() is False. One line names the driver,
+    what it needs and the fix, and the run goes on on the CPU; $RLHF_DEVICE=cuda says so."""
+    monkeypatch.delenv("RLHF_DEVICE")
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(devices, "nvidia_gpu_present", lambda: True)
+    monkeypatch.setattr(devices, "nvidia_driver", lambda: "535.104.05")
+    devices.say_once.cache_clear()
+    assert loaders.pick_device() == loaders.pick_device() == torch.device("cpu")
+    assert capsys.readouterr().out.splitlines() == [
+        "note: an NVIDIA GPU is here but torch 2.13.0+cu130, built for CUDA 13.0, cannot start "
+        "it: driver 535.104.05, and CUDA 13 needs 580 or newer; update the NVIDIA driver, or "
+        "install a torch built for an older CUDA (`pip install torch==2.13.0 --index-url "
+        "https://download.pytorch.org/whl/cu128`: docs/dependencies.md#which-torch); running "
+        "on the CPU"]
+    monkeypatch.setenv("RLHF_DEVICE", "cuda")
+    with pytest.raises(cli.UserError, match=r"no cuda device here \(.*driver 535\.104\.05, "
+                                            r"and CUDA 13 needs 580 or newer"):
+        loaders.pick_device()
+    # A driver new enough, and still no CUDA: the line says where to look instead
+    monkeypatch.setattr(devices, "nvidia_driver", lambda: "580.65.06")
+    assert "driver 580.65.06 is new enough" in devices.unused_gpu_note()
+
+
+def test_the_driver_version_is_read_from_the_kernel_modules_line(monkeypatch, tmp_path):
+    line = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build "
+            " (dvs-builder@U16-I3-B03-4-3)  Tue Jul 15 21:59:22 UTC 2025\n")
+    real_path = devices.Path
+    monkeypatch.setattr(devices, "Path", lambda name: real_path(tmp_path / "version")
+                        if name == "/proc/driver/nvidia/version" else real_path(name))
+    (tmp_path / "version").write_text(line)
+    devices.nvidia_driver.cache_clear()
+    assert devices.nvidia_driver() == "580.65.06"
+    devices.nvidia_driver.cache_clear()
 
 
 def test_cuda_n_is_checked_against_the_gpus_and_made_current(monkeypatch):

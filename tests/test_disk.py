@@ -3,7 +3,8 @@
 - Two real processes on one folder, each order of start: ppo.py (a new run against
   --force), reward_model.py (two seeds), a sweep against a run inside it. The second stops
   at once with one line naming the folder and the first's process id; after kill -9 of the
-  holder a new run takes the folder (the kernel dropped the lock; nothing to clean by hand).
+  holder a new run takes the folder (the kernel dropped the lock), and removes what the
+  killed run left of its temporaries (never a live run's).
 - Room: a run that cannot fit stops before its long part with one line (needed, free,
   where), on a patched free-space reading and, where this process may mount one, on a real
   small filesystem.
@@ -170,6 +171,56 @@ def test_the_lock_is_released_and_a_stale_lock_file_is_taken(tmp_path):
     with disk.holding([tmp_path / "run"]):
         assert json.loads(disk.lock_path(tmp_path / "run").read_text())["pid"] == os.getpid()
     assert not disk.lock_path(tmp_path / "run").exists()
+
+
+def test_the_next_holder_removes_what_a_killed_run_left(tmp_path, capsys):
+    """Taking a folder's lock removes its temporaries that a killed run left: beside it (a
+    folder being made, an old one moved aside) and inside it (a checkpoint being made, a file
+    being written); not another folder's, not one that a lock file says is held, not the
+    lock file, not the run's own files."""
+    runs, run = tmp_path / "runs", tmp_path / "runs" / "sft"
+    stale = [runs / ".sft.tmp-k9_x2ab7", runs / ".sft.old-4242", run / ".checkpoint.tmp-a1b2c3d4"]
+    kept = [runs / ".sft2.tmp-k9_x2ab7", runs / "sft.tmp-k9_x2ab7", run / ".sub.tmp-a1b2c3d4",
+            run / "checkpoint"]
+    for folder in stale + kept:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"half")
+    (run / ".results.ab12cd34.tmp.json").write_text("{")             # stale too
+    (run / "results.json").write_text("{}")
+    (run / ".sub.lock").write_text('{"pid": 1}')                      # sub is held elsewhere
+    with disk.holding([run]):
+        left = sorted(str(p.relative_to(runs)) for p in runs.rglob("*")
+                      if p.name != "model.safetensors")
+    assert left == sorted(["sft", ".sft.lock", "sft/results.json", "sft/.sub.lock",
+                           *(str(p.relative_to(runs)) for p in kept)])
+    line = capsys.readouterr().out.splitlines()
+    assert len(line) == 1 and line[0].startswith(f"removed what a stopped run left of {run}: ")
+
+
+@pytest.mark.slow
+def test_a_killed_runs_folder_in_the_making_goes_with_the_next_run_never_a_live_ones(
+        tmp_path):
+    """A process making --out (write_aside) holds it: a second stops and leaves its folder in
+    the making alone. After kill -9 the folder stays, until the next run takes the lock."""
+    out = tmp_path / "sft"
+    code = ("import sys, time\nfrom support import disk\nwith disk.holding([sys.argv[1]]):\n"
+            "    disk.write_aside(sys.argv[1], lambda staging: print(staging, flush=True) "
+            "or time.sleep(300))")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        staging = Path(holder.stdout.readline().strip())
+        assert staging.parent == tmp_path and staging.name.startswith(".sft.tmp-")
+        with pytest.raises(disk.FolderInUse):
+            with disk.holding([out]):
+                pass
+        assert staging.is_dir()                                       # a live run's: kept
+    finally:
+        kill_hard(holder)
+    assert staging.is_dir()                                           # kill -9: left behind
+    with disk.holding([out]):
+        assert not staging.exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------------- room before a run

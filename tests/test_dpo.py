@@ -198,3 +198,29 @@ def test_steps_0_makes_one_pass_over_every_training_comparison_of_the_judge(tiny
     assert results["train_pairs"] == split["max_pairs"] == 16           # the tiny judge's
     assert results["steps"] == 8 == len(results["curve"])               # 16 pairs of 2, once
     assert 8 < results["final"]["judges"]["pairs"] <= 32    # the judge's cap (32), not 8
+
+
+def test_a_nan_gradient_with_a_finite_loss_stops_dpo_before_its_step(tiny_judge_small,
+                                                                     judge_data, tmp_path,
+                                                                     monkeypatch):
+    """The loss and log-probs finite, one gradient value NaN at step 2: dpo.py stops with one
+    line naming the gradient, before AdamW steps on it (the adapter stays finite), and
+    writes nothing."""
+    real_gradients, adapters = dpo.dpo_gradients, []
+
+    def dpo_gradients(policy, *args):
+        logps = real_gradients(policy, *args)
+        adapters.append([p for p in policy.parameters() if p.requires_grad])
+        if len(adapters) == 2:
+            adapters[-1][0].grad.view(-1)[0] = float("nan")
+        return logps
+    monkeypatch.setattr(dpo, "dpo_gradients", dpo_gradients)
+    with pytest.raises(SystemExit) as stop:
+        cli.run_script(dpo.main, ["--preset", "tiny", "--reward-model", str(tiny_judge_small),
+                                  "--data-dir", str(judge_data), "--steps", "4",
+                                  "--out", str(tmp_path / "dpo")])
+    message = str(stop.value.code)
+    assert message.startswith("dpo.py: error: step 2: the gradient is NaN or inf in 1 of ")
+    assert "\n" not in message and len(adapters) == 2
+    assert all(torch.isfinite(p).all() for p in adapters[-1])
+    assert list(tmp_path.iterdir()) == []

@@ -20,7 +20,7 @@ import dpo  # noqa: E402
 import reward_model as rm  # noqa: E402
 from support import cli, rm_data  # noqa: E402
 from support import judge_baselines as jb  # noqa: E402
-from tools import judge_baselines as tool  # noqa: E402
+from tools.analysis import judge_baselines as tool  # noqa: E402
 
 
 def pair(pid, chosen, rejected, lw, ll, post="t3_a"):
@@ -65,14 +65,16 @@ def test_pair_id_is_the_post_and_the_two_texts_unordered():
     assert rm_data.pair_id("t3_a", "one", "two") != rm_data.pair_id("t3_a", "one", "three")
 
 
-def test_the_paired_interval_is_the_mean_difference_and_its_standard_error():
-    # d = [1, 0, 0, 1]: mean 1/2, SD sqrt(4 * 0.25 / 3), SE SD / 2
+def test_the_paired_interval_is_the_mean_difference_and_its_t_interval():
+    # d = [1, 0, 0, 1]: mean 1/2, SD sqrt(4 * 0.25 / 3), SE SD / 2; t_{0.975, 3} = 3.1824
     got = jb.paired_interval([1, 1, 0, 1], [0, 1, 0, 0])
     se = math.sqrt(1 / 3) / 2
     assert got["difference"] == pytest.approx(0.5)
-    assert got["se"] == pytest.approx(se)
-    assert (got["low"], got["high"]) == pytest.approx((0.5 - 1.96 * se, 0.5 + 1.96 * se))
+    assert got["se"] == pytest.approx(se) and got["df"] == pytest.approx(3)
+    assert (got["low"], got["high"]) == pytest.approx((0.5 - 3.1824 * se, 0.5 + 3.1824 * se),
+                                                      rel=1e-4)
     assert got["pairs"] == 4
+    assert math.isnan(jb.paired_interval([1], [0])["se"])       # one pair: no spread to see
 
 
 def test_near_chance_keeps_contrasts_where_neither_rule_reaches_the_threshold():
@@ -124,7 +126,7 @@ def test_baselines_from_pairs_carry_every_vote_and_the_near_chance_contrasts(mon
     assert (got["most_votes_on_a_pair"], got["pairs_voted_both_ways"]) == (2, 1)
     # the pair voted both ways: the system rule is right on one vote of two
     assert got["groups"]["all"]["accuracy"]["system"]["accuracy"] == pytest.approx(0.5)
-    assert jb.headline(got)["content_distinct_accuracy"] == pytest.approx(0.75)
+    assert got["groups"]["all"]["accuracy"]["content"]["accuracy"] == pytest.approx(0.75)
 
 
 def dpo_run(seed, implicit, fingerprint="f1"):
@@ -146,12 +148,11 @@ def test_dpo_near_chance_pairs_the_implicit_judge_with_the_explicit_one_per_seed
     assert first["content"]["accuracy"] == pytest.approx(0.25)
     assert first["implicit_minus_content"]["difference"] == pytest.approx(0.75)
     assert first["implicit_minus_full"]["difference"] == 0.0
-    # seed 1: implicit [0, 1], so implicit - content = [-1/2, 1]; pooled: [0, 1]
+    # seed 1: implicit [0, 1], so d = [[1/2, 1], [-1/2, 1]] (seed, pair); by (V2) of
+    # support/intervals.py: MS_seed 1/4, MS_post 1, MS_rest 1/4, V = (1/4 + 3/4) / 4
     pooled = got["pooled_implicit_minus_content"]
     assert pooled["difference"] == pytest.approx(0.5) and pooled["pairs"] == 2
-    # SE over seeds: sd(0.75, 0.25) / sqrt 2 = 0.25; over pairs: sd(0, 1) / sqrt 2: the larger
-    assert pooled["se_over"] == "posts"
-    assert pooled["se"] == pytest.approx(math.sqrt(0.5) / math.sqrt(2))
+    assert pooled["seeds"] == 2 and pooled["se"] == pytest.approx(0.5)
 
 
 def test_dpo_near_chance_with_no_near_chance_contrast_has_no_pair_and_says_nan():
@@ -222,9 +223,9 @@ def test_the_split_fingerprint_changes_with_the_split_and_dpo_refuses_another():
 # ------------------------------------------------------------------ the page
 
 def test_reward_model_md_holds_the_table_the_tool_makes_from_the_kept_file():
-    """docs/reward_model.md's table is `tools.judge_baselines --table` on the file it names."""
+    """docs/reward_model.md's table is `tools.analysis.judge_baselines --table` on the file it names."""
     page = (ROOT / "docs" / "reward_model.md").read_text()
-    found = re.findall(r"<!-- python -m tools.judge_baselines --table (\S+) -->\n(.*?)\n"
+    found = re.findall(r"<!-- python -m tools.analysis.judge_baselines --table (\S+) -->\n(.*?)\n"
                        r"<!-- end of the table -->", page, re.S)
     assert found
     for path, text in found:
@@ -244,10 +245,33 @@ def test_the_sft_log_probs_come_back_from_a_kept_file_of_the_same_split_only(tmp
 
 def test_the_readme_quotes_the_kept_file_that_reward_model_md_shows():
     page = (ROOT / "docs" / "reward_model.md").read_text()
-    path = re.search(r"<!-- python -m tools.judge_baselines --table (\S+) -->", page).group(1)
+    path = re.search(r"<!-- python -m tools.analysis.judge_baselines --table (\S+) -->", page).group(1)
     every = json.loads((ROOT / path).read_text())["groups"]["all"]["accuracy"]
     line = next(l for l in (ROOT / "README.md").read_text().splitlines()
                 if "means little alone" in l)
     for scorer in ("system", "length", "content", "full"):
         if scorer in every:
             assert f"{every[scorer]['accuracy']:.3f}" in line, scorer
+
+
+
+# ------------------------------------------------------------------ the scripts
+
+@pytest.mark.slow
+def test_the_judges_run_keeps_its_split_and_the_rules_beside_its_scores(tiny_reward_model):
+    """`reward_model.py --preset tiny`: the rules beside both scores, every vote, on distinct
+    pairs, in metrics.json; the split's settings in config.json, for dpo.py."""
+    metrics = json.loads((tiny_reward_model / "metrics.json").read_text())
+    base = metrics["extra"]["baselines"]
+    every = base["groups"]["all"]
+    assert every["rows"] == metrics["heldout_pairs"] >= every["pairs"]
+    assert set(every["paired"]) == {"content", "full"}
+    assert set(every["paired"]["full"]) == {"system", "length"}
+    votes = base["per_pair"]
+    assert sum(votes["length"]) / len(votes["length"]) == pytest.approx(
+        metrics["length_baseline_accuracy"])            # the same rule, counted by vote
+    assert sum(votes["content"]) / len(votes["content"]) == pytest.approx(
+        metrics["content_heldout_accuracy"])
+    split = json.loads((tiny_reward_model / "config.json").read_text())["split"]
+    assert (split["seed"], split["heldout_fraction"], split["max_pairs"]) == (0, 0.25, 16)
+    assert len(split["fingerprint"]) == 16

@@ -486,15 +486,40 @@ def test_forced_triton_that_cannot_build_is_one_line_and_exit_1():
 
 @pytest.mark.slow
 def test_backend_environment_variable():
-    code = "import ppo_kernels; print(ppo_kernels._backend)"
+    """RLHF_KERNELS_BACKEND sets the starting backend; a bad one is one line from a script."""
+    code = ("import ppo_kernels; from support import cli; print(ppo_kernels._backend); "
+            "cli.run_script(lambda argv: ppo_kernels.check_environment())")
     env = dict(os.environ, RLHF_KERNELS_BACKEND="torch")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
-    assert out.stdout.strip() == "torch", out.stderr
+    assert out.returncode == 0 and out.stdout.strip() == "torch", out.stderr
     env["RLHF_KERNELS_BACKEND"] = "cuda"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode != 0 and "RLHF_KERNELS_BACKEND" in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1 and "RLHF_KERNELS_BACKEND" in lines[0]
+
+
+@pytest.mark.slow
+def test_forced_triton_where_triton_is_not_installed_is_one_line_in_every_script(tmp_path):
+    """RLHF_KERNELS_BACKEND=triton with no Triton (every Mac; here an importable `triton`
+    that raises ImportError stands in): each of the four scripts stops with one line naming
+    the switch and the fix, exit 1, before anything loads, and writes nothing."""
+    (tmp_path / "stub" / "triton").mkdir(parents=True)
+    (tmp_path / "stub" / "triton" / "__init__.py").write_text(
+        "raise ImportError('no Triton here')\n")
+    env = dict(os.environ, RLHF_KERNELS_BACKEND="triton",
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "stub"), str(ROOT)]))
+    for script in ("sft.py", "reward_model.py", "ppo.py", "dpo.py"):
+        out = subprocess.run([sys.executable, script, "--preset", "tiny", "--out",
+                              str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 1 and len(lines) == 1, (script, out.stderr[-2000:])
+        assert lines[0].startswith(f"{script}: error: the Triton backend "
+                                   "(RLHF_KERNELS_BACKEND=triton) needs Triton"), lines
+        assert "RLHF_KERNELS_BACKEND=torch" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stub"]
 
 
 @pytest.mark.skipif(not TRITON_ELSEWHERE, reason="the Triton cases ran in this process")

@@ -2,11 +2,12 @@
 
     stage scripts   sft.py, reward_model.py, ppo.py (dpo.py where it exists): nothing
                     imports them but tools/ and tests/
-    support/        the plumbing: imports loaders, gae, lora and other support modules,
-                    never a stage script
+    support/        the plumbing: imports loaders, gae, lora, ppo_kernels and other support
+                    modules, never a stage script
     support/cli.py  the one-line errors: imports no module of this project, so loaders.py
                     (a piece of the stage scripts, below support/) can raise its UserError
-                    without a cycle
+                    without a cycle; support/devices.py (the device, read through loaders.py)
+                    imports none but cli, for the same reason
 And no module imports one of ours inside a function (the way a cycle is hidden).
 Test: pytest tests/test_layout.py
 """
@@ -48,6 +49,15 @@ def test_no_support_module_imports_a_stage_script():
 
 def test_cli_imports_no_module_of_this_project():
     assert not {name for name, _ in imports(ROOT / "support" / "cli.py") if name in OURS}
+
+
+def test_devices_imports_no_module_of_this_project_but_cli():
+    found = [(node.module, [a.name for a in node.names])
+             for node in ast.walk(ast.parse((ROOT / "support" / "devices.py").read_text()))
+             if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] in OURS]
+    assert found == [("support", ["cli"])]
+    assert not {name for name, _ in imports(ROOT / "support" / "devices.py")
+                if name in OURS - {"support"}}
 
 
 def test_no_module_imports_one_of_ours_inside_a_function():

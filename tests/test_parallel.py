@@ -9,6 +9,8 @@
 - reward_model.py's tiny preset under torchrun, with an explicit rendezvous endpoint (the
   multi-node command on one machine): held-out metrics once, on every held-out pair, close
   to a single process's; the saved model loads in this one.
+- reward_model.py with a one-pair last batch, of which rank 0 gets nothing: it ends,
+  with the single process's numbers.
 - A torchrun run holds its folder from rank 0: a plain run on it stops at once naming that
   process; after the launch is killed, a new run takes the folder (support/disk.py).
 - parallel.py's helpers are the identity in one process.
@@ -162,3 +164,24 @@ def test_reward_model_under_torchrun_with_an_explicit_rendezvous(tiny_reward_mod
     model = rm.load_reward_model(out)                                  # in this one process
     assert model.length_weight.item() == pytest.approx(one["length_weight"])
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_the_judge_under_torchrun_when_a_rank_gets_no_pair_of_the_last_batch(tmp_path,
+                                                                            judge_data):
+    """reward_model.py's tiny preset in batches of 29 of its 30 training pairs: the last
+    batch holds one pair, which rank 1 takes and rank 0 gets none of (no gradients: it adds
+    zeros). The 2-process run ends and gives the one-process run's numbers."""
+    common = ["reward_model.py", "--preset", "tiny", "--batch-pairs", "29", "--data-dir",
+              str(judge_data)]
+    subprocess.run([sys.executable, *common, "--out", str(tmp_path / "one")], cwd=ROOT,
+                   check=True, capture_output=True, timeout=600)
+    one = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    assert one["train_pairs"] == 30                     # so the last batch is one pair
+    torchrun(*common, "--out", tmp_path / "two")
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert two["train_pairs"] == one["train_pairs"]
+    assert two["heldout_pairs"] == one["heldout_pairs"]
+    for key in ("heldout_accuracy", "full_heldout_accuracy"):
+        assert abs(two[key] - one[key]) <= 1 / 32, key                 # at most one pair apart
+    assert two["extra"]["probe"]["scores"] == pytest.approx(one["extra"]["probe"]["scores"],
+                                                            abs=1e-3)

@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +29,8 @@ import loaders
 import ppo
 import reward_model as rm
 from support import cli, heldout, measures, report, tables
-from tools import bench_kernels, check_gpu, compare_estimators, floors, same_numbers
+from tools import floors, same_numbers
+from tools.analysis import compare_estimators
 from gae import advantages_and_returns, response_mask, shaped_rewards, whiten
 from lora import with_lora
 
@@ -502,6 +502,36 @@ def test_a_nan_score_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_judge
     assert [row["iteration"] for row in results["iterations"]] == [0, 1]
 
 
+def test_a_nan_gradient_with_a_finite_loss_stops_the_run_before_the_step(
+        tiny_judge, data_dir, tiny, tokenizer, tmp_path, monkeypatch):
+    """The loss finite and one gradient value NaN in iteration 2: the run stops there before
+    AdamW steps on it (every weight stays finite), naming the gradient; the checkpoint of
+    iteration 1 and results.json's rows 0 and 1 are all that is saved."""
+    cfg = ppo.parse_args(["--preset", "tiny", "--iterations", "4", "--checkpoint-every", "1",
+                          "--out", str(tmp_path)])
+    posts = loaders.load_tldr()[:30]
+    pool = [{**p, "prompt": prompt} for p in posts
+            if (prompt := loaders.fit_prompt(tokenizer, p, cfg.prompt_tokens))][:8]
+    models = (tiny, rm.load_reward_model(tiny_judge), tokenizer, torch.device("cpu"))
+    real_accumulate, held = ppo.accumulate_gradients, {}
+
+    def accumulate_gradients(policy, value_head, batch, *args):
+        log, ratios = real_accumulate(policy, value_head, batch, *args)
+        held["weights"] = [*policy.parameters(), *value_head.parameters()]
+        if batch.iteration == 2:
+            value_head.project.bias.grad.fill_(float("nan"))       # the loss stays finite
+        return log, ratios
+
+    monkeypatch.setattr(ppo, "accumulate_gradients", accumulate_gradients)
+    with pytest.raises(report.NonFiniteError,
+                       match=r"^iteration 2: the gradient is NaN or inf in 1 of \d+ values"):
+        ppo.train(cfg, 0.1, 0, models, pool, tmp_path, progress=False)
+    assert all(torch.isfinite(p).all() for p in held["weights"])
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["iteration"] == 1
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [row["iteration"] for row in results["iterations"]] == [0, 1]
+
+
 def test_check_finite_names_the_quantity():
     ppo.check_finite(0, loss=torch.tensor(1.0), advantage=torch.zeros(2, 3))
     with pytest.raises(report.NonFiniteError, match="iteration 7: the advantage is NaN or inf "
@@ -866,7 +896,7 @@ def test_each_sample_keeps_its_prompts_group(tiny_judge, data_dir, tiny, tokeniz
 @pytest.mark.slow
 def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_model, small_data,
                                                                 tmp_path):
-    out = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
+    out = run("-m", "tools.analysis.compare_estimators", "--preset", "tiny", "--reward-model",
               str(tiny_reward_model), "--seeds", "0", "--settings", "rloo_4x2", "--out",
               str(tmp_path), "--data-dir", str(small_data), "--iterations", "1")
     assert "--estimator rloo --batch 4 --samples-per-prompt 2" in out
@@ -875,7 +905,7 @@ def test_compare_estimators_runs_a_setting_and_prints_the_table(tiny_reward_mode
     assert "| rloo_4x2 | 1 |" in table and "| (ref) |" in table and "| people |" in table
     assert len({line.count("|") for line in table.splitlines()}) == 1     # columns line up
     assert (tmp_path / "estimators.png").stat().st_size > 1000
-    again = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
+    again = run("-m", "tools.analysis.compare_estimators", "--preset", "tiny", "--reward-model",
                 str(tiny_reward_model), "--seeds", "0", "--settings", "rloo_4x2", "--out",
                 str(tmp_path), "--data-dir", str(small_data), "--iterations", "1")
     assert "=== rloo_4x2: every run is over, nothing to run" in again
@@ -916,7 +946,7 @@ def test_compare_estimators_takes_ppo_from_the_beta_sweep_at_its_budget(tmp_path
 
 @pytest.mark.slow
 def test_compare_estimators_times_each_setting(tiny_reward_model, small_data, tmp_path):
-    out = run("-m", "tools.compare_estimators", "--preset", "tiny", "--reward-model",
+    out = run("-m", "tools.analysis.compare_estimators", "--preset", "tiny", "--reward-model",
               str(tiny_reward_model), "--time", "2", "--settings", "rloo_4x2", "reinforce",
               "--data-dir", str(small_data), "--out", str(tmp_path / "unused"))
     assert "tiny preset, beta 0.1, seed 0, 2 iterations each: mean seconds an iteration" in out
@@ -962,105 +992,6 @@ def test_the_ratio_is_exactly_one_on_cuda_in_bf16(estimator, tiny_reward_model, 
                               progress=False)
     for row in results["iterations"]:
         assert row["ratio_min"] == row["ratio_max"] == 1.0
-
-
-@pytest.mark.slow
-def test_check_gpu_dry_run_and_its_one_line_without_a_gpu(tmp_path):
-    """`python -m tools.bench_ppo --check-gpu --dry-run`: the three steps at toy sizes on the
-    CPU, one table, the JSON; without --dry-run on a machine with no GPU, one line and status 1."""
-    out = run("-m", "tools.bench_ppo", "--check-gpu", "--dry-run", "--out",
-              str(tmp_path / "gc.json"), timeout=900)
-    report = json.loads((tmp_path / "gc.json").read_text())
-    assert report["dry_run"] and report["tests"]["ok"] and report["kernels"]["ok"]
-    assert set(report["kernels"]["sizes"]["64x4097"]) >= {"naive", "fallback", "fused-linear"}
-    assert report["ppo"]["tiny fp32"]["ok"] and report["ppo"]["tiny fp32"]["ratio"] == [1, 1]
-    assert report["ppo"]["tiny fp32 torchrun"]["ok"]                   # parallel.py's path
-    assert "3. PPO iterations" in out and "DRY RUN" in out
-    if not torch.cuda.is_available():
-        result = subprocess.run([sys.executable, "-m", "tools.bench_ppo", "--check-gpu"],
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode == 1
-        assert result.stderr.strip().splitlines() == [
-            "tools.bench_ppo: error: no GPU found (torch.cuda.is_available() is False); "
-            "--dry-run checks the command on the CPU"]
-
-
-def test_the_gpu_checks_limits_share_out_the_time_left_within_the_budget():
-    """300 s and the shares pip 10, tests 60, kernels 70, 4 PPO variants 40 each: where each
-    command takes its whole limit, the limits are the shares and sum to 300; where the tests
-    end after 30 s, the kernels get 70/230 of the 260 s left, and the 4 variants the rest."""
-    clock = [0.0]
-    deadline = check_gpu.Deadline(300, planned=300, clock=lambda: clock[0])
-    limits = []
-    for share in (10, 60, 70, 40, 40, 40, 40):
-        limits.append(deadline.limit(share))
-        clock[0] += limits[-1]
-    assert limits == pytest.approx([10, 60, 70, 40, 40, 40, 40]) and clock[0] == pytest.approx(300)
-    clock[0] = 0.0
-    deadline = check_gpu.Deadline(300, planned=300, clock=lambda: clock[0])
-    assert deadline.limit(10) == pytest.approx(10)
-    clock[0] = 10.0
-    assert deadline.limit(60) == pytest.approx(60)
-    clock[0] = 40.0                                     # the tests took 30 s of their 60
-    assert deadline.limit(70) == pytest.approx(260 * 70 / 230)          # 79.13 s
-    clock[0] = 40.0 + 260 * 70 / 230
-    assert deadline.limit(40) == pytest.approx((300 - clock[0]) / 4)     # 45.22 s each
-
-
-def test_a_command_past_its_limit_is_stopped_with_every_process_it_started():
-    """A shell that starts a background `sleep` (as torchrun starts its workers) and waits:
-    at the 1 s limit the whole process group is killed, the grandchild with it."""
-    code, output = check_gpu.Deadline(2, planned=2).run(
-        ["sh", "-c", "sleep 100 & echo $!; sleep 100"], 1)
-    assert code is None and output.splitlines()[-1] == "over 1 s, skipped"
-    grandchild = Path(f"/proc/{int(output.split()[0])}/stat")
-    for _ in range(50):                 # gone, or a zombie that init has yet to reap
-        if not grandchild.exists() or grandchild.read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"{grandchild.parent.name} still runs after the timeout")
-
-
-def test_phase_timings_wait_for_cuda_only_where_cuda_is_in_use(monkeypatch):
-    waits = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: waits.append(1))
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)       # the CPU, MPS
-    lap = report.Laps()
-    lap("generate")
-    assert set(lap.row()) == {"seconds_generate", "seconds"} and waits == []
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    lap = report.Laps()
-    lap("generate")
-    lap("score")
-    lap.row()
-    assert len(waits) == 4                      # the start, two laps, the row
-
-
-def test_the_gpu_check_bounds_a_slow_path_as_a_row(monkeypatch, capsys):
-    """A command past its limit (or past what is left of the check's budget) is stopped and
-    says so; a kernel path past --path-timeout is a row of the table, not the end of it."""
-    deadline = check_gpu.Deadline(60, planned=60)
-    start = time.time()
-    code, output = deadline.run(["python", "-c", "import time; time.sleep(30)"], 1)
-    assert code is None and output == "over 1 s, skipped" and time.time() - start < 15
-    assert deadline.run(["python", "-c", "print('hi')"], 30) == (0, "hi\n")
-    assert check_gpu.Deadline(-5, planned=30).run(["python", "-c", "print('hi')"], 30) == (
-        None, "no time left in the budget, skipped")
-
-    def measure(path, rows, V, device, dtype, timeout):
-        if path == "compiled-linear":
-            raise bench_kernels.TooSlow(f"over {timeout:g} s, skipped")
-        return {"seconds": 0.01, "extra_bytes": 2**20}
-    monkeypatch.setattr(bench_kernels, "measure", measure)
-    paths = ["naive", "naive-linear", "fused-linear", "compiled-linear"]
-    res = bench_kernels.bench_size(64, 128, paths, "cuda", "float32", rounds=2, timeout=25)
-    assert res["compiled-linear"] == {"skipped": "over 25 s, skipped"}
-    assert res["fused-linear"]["seconds"] == 0.01
-    bench_kernels.print_table({(64, 128): res})
-    table = capsys.readouterr().out
-    assert "compiled-linear | naive-linear | over 25 s, skipped" in table     # its row
-    assert table.count("compiled-linear at 64x128: over 25 s") == 1   # tried once, not twice
 
 
 def test_same_numbers_finds_a_moved_number_and_lists_added_keys(tmp_path, capsys):

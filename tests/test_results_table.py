@@ -1,4 +1,4 @@
-"""tools/results_table.py: the README's table from results.json files, by hand-made runs.
+"""tools/analysis/results_table.py: the README's table from results.json files, by hand-made runs.
 
 Run:  python -m pytest -q tests/test_results_table.py
 """
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tools import results_table
+from tools.analysis import results_table
 
 
 def sample(text, reward, rank, **more):

@@ -34,9 +34,7 @@ METRIC_KEYS = {"heldout_accuracy", "wilson_low", "wilson_high", "heldout_pairs",
                "length_baseline_accuracy", "shorter_preferred_accuracy", "train_pairs",
                "seconds", "default_part", "length_weight", "length_matched_accuracy",
                "reference_pairs", "off_post_pairs", "off_post_sample_pairs",
-               "relevance_gap_sd", "relevance_gap_sd_se", "heldout_distinct_pairs",
-               "near_chance_contrasts"} | {
-    f"{scorer}_distinct_accuracy" for scorer in ("system", "length", "content", "full")} | {
+               "relevance_gap_sd", "relevance_gap_sd_se"} | {
     f"{kind}_{key}" for kind in ("relevance", "relevance_sample", "lead")
     for key in ("accuracy", "wilson_low", "wilson_high", "pairs", "tfidf_accuracy")} | {
     f"{part}_{key}" for part in ("content", "full")
@@ -517,19 +515,6 @@ def test_tiny_preset_runs_end_to_end_in_under_a_minute(tmp_path, comparisons):
             (gap[part]["human_mean"] - gap[part]["reference_mean"]) / gap[part]["reference_sd"])
     # (R3) puts the held-out human TL;DRs' mean content score at 0
     assert gap["content"]["human_mean"] == pytest.approx(0.0, abs=1e-5)
-    # issue 75: the rules beside both scores, every vote, on distinct pairs
-    every = metrics["extra"]["baselines"]["groups"]["all"]
-    assert every["rows"] == metrics["heldout_pairs"] >= every["pairs"]
-    assert every["accuracy"]["content"]["accuracy"] == metrics["content_distinct_accuracy"]
-    assert set(every["paired"]) == {"content", "full"}
-    assert set(every["paired"]["full"]) == {"system", "length"}
-    votes = metrics["extra"]["baselines"]["per_pair"]
-    assert sum(votes["length"]) / len(votes["length"]) == pytest.approx(
-        metrics["length_baseline_accuracy"])            # the same rule, counted by vote
-    # the split's settings travel with the judge (dpo.py rebuilds the split from them)
-    split = json.loads((out / "config.json").read_text())["split"]
-    assert (split["seed"], split["heldout_fraction"], split["max_pairs"]) == (0, 0.25, 16)
-    assert len(split["fingerprint"]) == 16
     for name in ("loss.png", "margins.png", "config.json", "adapter.safetensors",
                  "head.safetensors", "base.safetensors"):
         assert (out / name).is_file(), name
@@ -798,4 +783,17 @@ def test_a_nan_gradient_stops_the_step_before_adamw_moves_anything(comparisons):
     with pytest.raises(report.NonFiniteError,
                        match=rf"^step 7: the gradient is NaN or inf in {bad} of {total} values"):
         rm.train_step(model, optimizer, pairs, step=7)
+    assert all(torch.equal(p, q) for p, q in zip(weights, before))
+
+
+def test_a_rank_with_no_pairs_in_a_short_last_batch_takes_its_step(comparisons, monkeypatch):
+    """No pairs (rank 0 of 2's share of a one-pair batch): the step runs, moving nothing."""
+    model, tokenizer = tiny_model()
+    config = rm.Config(**rm.PRESETS["tiny"])
+    pairs = rm_data.prepare_pairs(tokenizer, comparisons[:1], config)
+    optimizer = rm.make_optimizer(model, config)
+    weights = [p for group in optimizer.param_groups for p in group["params"]]
+    before = [p.detach().clone() for p in weights]
+    monkeypatch.setattr(rm.parallel, "mine", lambda items: items[:0])
+    assert rm.train_step(model, optimizer, pairs, step=5) == (0.0, 0.0)
     assert all(torch.equal(p, q) for p, q in zip(weights, before))

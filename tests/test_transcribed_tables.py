@@ -1,4 +1,4 @@
-"""tools/transcribed_tables.py: the sweep's and estimators' pages are their transcribed
+"""tools/analysis/transcribed_tables.py: the sweep's and estimators' pages are their transcribed
 files' tables, cell for cell, and the numbers computed from them are computed right.
 
 Test: pytest tests/test_transcribed_tables.py
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from support import cli
-from tools import transcribed_tables as tt
+from tools.analysis import transcribed_tables as tt
 
 
 def test_the_pages_tables_are_the_transcribed_files():

@@ -34,7 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+STARTED = time.monotonic()          # --check-gpu's budget counts from here: torch's import too
+import torch  # noqa: E402
 
 import loaders
 from support.report import peak_memory_gb
@@ -115,7 +116,7 @@ def main():
     if args.check_gpu:
         from tools import check_gpu
         sys.exit(check_gpu.main(args.dry_run, args.out, prepare_only=args.prepare,
-                                steps=args.steps))
+                                steps=args.steps, started=STARTED))
     if args.worker:
         return worker(args.worker, args.iterations, args.micro_batch, args.reward_model,
                       args.precision)

@@ -3,7 +3,7 @@ when a run predates it) copied to DEST/<name>.json, name the run folder's (or --
 
     python -m tools.keep_runs runs/ppo_beta0.1_seed0 runs/lam0_seed0 --to docs/runs/claims
 
-A page's command (python -m tools.claims_page, ...) reads its tables and plots from these
+A page's command (python -m tools.analysis.claims_page, ...) reads its tables and plots from these
 files, so that the page can be remade on another machine. A summary is about 40 kB: no
 weights, no checkpoint, the texts of three posts only (support/kept.py). Seconds.
 """

@@ -17,8 +17,8 @@ post's mean over its positions, then the mean and its SE over the posts; and the
 each position over the posts whose summary reaches it. The distribution is the model's own
 at the sampling temperature, before top-k and top-p cut it.
 
-Run:  python -m tools.concentration                  # runs/sft on 64 posts, a few minutes
-      python -m tools.concentration --model runs/sft --out runs/concentration.json
+Run:  python -m tools.analysis.concentration                  # runs/sft on 64 posts, a few minutes
+      python -m tools.analysis.concentration --model runs/sft --out runs/concentration.json
 Writes a small table to the terminal and --out (JSON, default runs/concentration.json).
 Test: pytest tests/test_analysis_tools.py -k concentration
 """
@@ -59,7 +59,7 @@ def held_out_setup(args, reward_model=None):
 
 
 def add_setup_flags(parser, eval_prompts_help):
-    """The flags both this command and tools/optimum.py take."""
+    """The flags both this command and tools/analysis/optimum.py take."""
     parser.add_argument("--model", default=loaders.SFT_MODEL,
                         help="the SFT model (default runs/sft, sft.py's)")
     parser.add_argument("--preset", default="cpu", choices=("cpu", "blog", "tiny"),

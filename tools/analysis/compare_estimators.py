@@ -20,11 +20,11 @@ objective they share) and the minutes of a run; and estimators.png, the sweep's 
 colour per setting: the judge's reward (with lines of equal reward - beta KL), MRR and
 ROUGE-L against KL, one point per run.
 
-Run:   python -m tools.compare_estimators --gae-runs runs/ppo_sweep    (cpu preset: 9 runs
+Run:   python -m tools.analysis.compare_estimators --gae-runs runs/ppo_sweep    (cpu preset: 9 runs
                                                       of about 20 min on a 2-core CPU)
-       python -m tools.compare_estimators --preset tiny --reward-model runs/rm_tiny --seeds 0
+       python -m tools.analysis.compare_estimators --preset tiny --reward-model runs/rm_tiny --seeds 0
 Again: the same command resumes; finished runs are skipped. Any other flag goes to ppo.py.
-Time:  python -m tools.compare_estimators --time 6          (each setting for 6 iterations, back to
+Time:  python -m tools.analysis.compare_estimators --time 6          (each setting for 6 iterations, back to
        back in temporary folders, on the first seed: seconds an iteration, per phase. The
        table's minutes come from whole runs, however the machine was shared while they ran;
        this is the like-for-like figure. Run it on an otherwise idle machine.)
@@ -80,7 +80,7 @@ def run_setting(name, args):
                "--out", str(out), *SETTINGS[name], *args.ppo_flags,
                *(["--resume"] if started else [])]
     print(f"\n=== {name}: {' '.join(command[1:])}", flush=True)
-    return subprocess.run(command, cwd=Path(__file__).resolve().parent.parent).returncode
+    return subprocess.run(command, cwd=Path(__file__).resolve().parents[2]).returncode
 
 
 def run_folder(name, seed, args):

@@ -8,8 +8,8 @@ between a `<!-- transcribed: NAME -->` and a `<!-- /transcribed -->` line), the 
 computed from them (where each measure peaks; Spearman's rho of beta and KL) and
 docs/sweep.png and docs/estimators.png. Nothing else on the pages is touched.
 
-Run:   python -m tools.transcribed_tables            (the two pages and plots; seconds)
-       python -m tools.transcribed_tables --check    (exit 1 where a page is not the files')
+Run:   python -m tools.analysis.transcribed_tables            (the two pages and plots; seconds)
+       python -m tools.analysis.transcribed_tables --check    (exit 1 where a page is not the files')
 Test:  pytest tests/test_transcribed_tables.py
 """
 
@@ -23,7 +23,7 @@ from support import cli, disk, tables
 from support.report import plot_sweep
 from support.measures import spearman
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 DATA = DOCS / "runs" / "transcribed"
 BLOCK = re.compile(r"(<!-- transcribed: (\S+) -->\n)(.*?)(<!-- /transcribed -->)", re.S)
 
@@ -203,7 +203,7 @@ def main(argv=None):
         print(f"{page.relative_to(DOCS.parent)}: {len(blocks)} tables; {plot['path'].name}")
     if stale:
         print(f"not the transcribed files' tables: {', '.join(stale)} "
-              "(python -m tools.transcribed_tables remakes them)")
+              "(python -m tools.analysis.transcribed_tables remakes them)")
         return 1
     return 0
 

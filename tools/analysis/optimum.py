@@ -18,8 +18,8 @@ With k samples the optimum's KL cannot pass log k (2.77 nats at k = 16): at smal
 is best-of-k, not pi*. The effective sample size 1 / sum w_i^2 is kept beside each point.
 report.optimum_curves draws both curves on the sweep's three panels.
 
-Run:  python -m tools.optimum                        # 64 posts x 16 samples: about an hour
-      python -m tools.optimum --samples 2 --eval-prompts 4 --out /tmp/optimum.json  # a check
+Run:  python -m tools.analysis.optimum                        # 64 posts x 16 samples: about an hour
+      python -m tools.analysis.optimum --samples 2 --eval-prompts 4 --out /tmp/optimum.json  # a check
 Writes a table to the terminal and --out (JSON: both curves, and each sample's reward,
 ROUGE-L, rank, length and EOS per post, no texts).
 Test: pytest tests/test_analysis_tools.py -k optimum
@@ -40,7 +40,7 @@ from support import cli, optimum
 from support.disk import write_json
 from support.kept import machine
 from support.quality import retrieval_ranks, rouge_l
-from tools.concentration import add_setup_flags, held_out_setup
+from tools.analysis.concentration import add_setup_flags, held_out_setup
 
 BETAS = (0, 0.01, 0.1, 0.5, 2.0)                # the sweep's (docs/sweep.md)
 SHOWN_N = (1, 2, 4, 8, 16, 32, 64)              # the best-of-n rows printed (all in the JSON)

@@ -25,10 +25,18 @@ a thin bin is seen as one (--edges moves the cuts).
 
 Runs of one beta (and estimator) pool their posts: three seeds give three (post, seed)
 pairs a post. The Wilson interval treats the pairs as independent; the seeds share their
-posts, so it is somewhat too narrow where seeds agree on a post.
+posts, so it is somewhat too narrow where seeds agree on a post. docs/claims.md counts both
+instead (`bin_values`): per seed s and post i, with w_si the win (1, 1/2 or 0), z_si = 1 where
+the summary falls in the bin and n_s = sum_i z_si,
 
-Run:  python -m tools.length_bins runs/ppo_sweep/beta0.1_seed0 runs/ppo_sweep/beta0.1_seed1
-      python -m tools.length_bins runs/ppo_sweep/beta*_seed* --out runs/length_bins.json
+    x_si = (w_si - 1/2) z_si n / n_s        mean_i x_si = the seed's win rate in the bin - 1/2
+
+a full seed-by-post table, read by support/intervals.py's `paired_interval` against 0. Posts
+outside the bin add zeros, which makes its variance a little larger than the ratio
+estimator's (by the squared gain over n_s), never smaller.
+
+Run:  python -m tools.analysis.length_bins runs/ppo_sweep/beta0.1_seed0 runs/ppo_sweep/beta0.1_seed1
+      python -m tools.analysis.length_bins runs/ppo_sweep/beta*_seed* --out runs/length_bins.json
 Writes a markdown table to the terminal and --out (JSON: each group's rows, each a bin).
 Test: pytest tests/test_analysis_tools.py -k length
 """
@@ -109,6 +117,22 @@ def bin_rows(pairs, edges=EDGES):
                      "ref_mrr": mean([1 / p["ref_rank"] for p in kept]),
                      "ratio": mean([p["ratio"] for p in kept])})
     return rows
+
+
+def bin_values(run, edges=EDGES):
+    """([x_si per post], n_s) of one run for each bin (`None` where none of its summaries
+    falls in it): (win - 1/2) z n / n_s, the table `paired_interval` reads (see above)."""
+    final = run["final"]
+    pairs = [((s["length"] - bool(s["eos"])) / max(h["length"], 1), s["reward"],
+              s["ref_reward"]) for s, h in zip(final["samples"], final["human_samples"])]
+    n, out = len(pairs), []
+    for i in range(len(edges) + 1):
+        inside = [length_bin(ratio, edges) == i for ratio, _, _ in pairs]
+        n_s = sum(inside)
+        # x_si = (w_si - 1/2) z_si n / n_s
+        out.append(([((r > q) + 0.5 * (r == q) - 0.5) * z * n / n_s
+                     for (_, r, q), z in zip(pairs, inside)], n_s) if n_s else None)
+    return out
 
 
 def markdown(groups):

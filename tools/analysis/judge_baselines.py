@@ -1,12 +1,12 @@
 """The judge's held-out accuracy beside three rules that never read the summary (issue 75).
 
-    python -m tools.judge_baselines --out docs/runs/judge/baselines_seed0.json     # rules only
-    OMP_NUM_THREADS=1 python -m tools.judge_baselines --reward-model runs/reward_model \\
+    python -m tools.analysis.judge_baselines --out docs/runs/judge/baselines_seed0.json     # rules only
+    OMP_NUM_THREADS=1 python -m tools.analysis.judge_baselines --reward-model runs/reward_model \\
         --sft runs/sft --out docs/runs/judge/baselines_seed0.json                  # and both models
-    python -m tools.judge_baselines --table docs/runs/judge/baselines_seed0.json   # the page's table
-    python -m tools.judge_baselines --reward-model runs/reward_model \\
+    python -m tools.analysis.judge_baselines --table docs/runs/judge/baselines_seed0.json   # the page's table
+    python -m tools.analysis.judge_baselines --reward-model runs/reward_model \\
         --sft-from docs/runs/judge/rules_seed0.json --out ...    # the SFT log-probs kept there
-    python -m tools.judge_baselines --dpo runs/dpo_s0 runs/dpo_s1 runs/dpo_s2 \\
+    python -m tools.analysis.judge_baselines --dpo runs/dpo_s0 runs/dpo_s1 runs/dpo_s2 \\
         --table docs/runs/judge/baselines_seed0.json    # DPO's implicit judge near chance, paired
 
 Rebuilds the judge's split of people's comparisons (from its config.json; a judge written
@@ -89,7 +89,7 @@ def measure(args):
 def sft_from(path, fingerprint, n):
     """((n,), (n,)) log-probs, the SFT model's name and the CPU that computed them, from a
     kept file of the same split."""
-    with cli.reading(Path(path), "a file written by tools.judge_baselines --sft", KeyError):
+    with cli.reading(Path(path), "a file written by tools.analysis.judge_baselines --sft", KeyError):
         kept = json.loads(Path(path).read_text())
         logp, sft = torch.tensor(kept["sft_logp"], dtype=torch.float64), kept["sft"]
     if kept["split_fingerprint"] != fingerprint or len(logp) != n:
@@ -171,7 +171,7 @@ def main(argv=None):
         print_dpo(args.dpo, args.table)
         return
     if args.table:
-        with cli.reading(Path(args.table), "a file written by tools.judge_baselines", KeyError):
+        with cli.reading(Path(args.table), "a file written by tools.analysis.judge_baselines", KeyError):
             print(table(json.loads(Path(args.table).read_text())))
         return
     kept = measure(args)

@@ -13,8 +13,8 @@ stemmer), so a results.json written before that measure gives the papers' number
 The runs must share their held-out posts and judge (one sweep, or runs of one judge with
 the same --eval-prompts and --prompt-tokens); the first run gives the shared rows.
 
-Run:  python -m tools.results_table runs/ppo_beta0_seed0 runs/ppo_beta0.1_seed0
-      python -m tools.results_table runs/ppo_beta0_seed0 --samples 0 5
+Run:  python -m tools.analysis.results_table runs/ppo_beta0_seed0 runs/ppo_beta0.1_seed0
+      python -m tools.analysis.results_table runs/ppo_beta0_seed0 --samples 0 5
 """
 
 import argparse
