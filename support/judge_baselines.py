@@ -129,7 +129,8 @@ def contrast_strength(train_pairs, rates):
     for name, rows in groups.items():
         scores = rule_scores(rows, rates)
         out[name] = {"comparisons": len(rows),
-                     **{rule: correct(*scores[rule]).mean().item() for rule in ("system", "length")}}
+                     **{rule: correct(*scores[rule]).mean().item()
+                        for rule in ("system", "length")}}
     return out
 
 

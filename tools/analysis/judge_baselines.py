@@ -1,13 +1,14 @@
 """The judge's held-out accuracy beside three rules that never read the summary (issue 75).
 
-    python -m tools.analysis.judge_baselines --out docs/runs/judge/baselines_seed0.json     # rules only
-    OMP_NUM_THREADS=1 python -m tools.analysis.judge_baselines --reward-model runs/reward_model \\
-        --sft runs/sft --out docs/runs/judge/baselines_seed0.json                  # and both models
-    python -m tools.analysis.judge_baselines --table docs/runs/judge/baselines_seed0.json   # the page's table
-    python -m tools.analysis.judge_baselines --reward-model runs/reward_model \\
-        --sft-from docs/runs/judge/rules_seed0.json --out ...    # the SFT log-probs kept there
-    python -m tools.analysis.judge_baselines --dpo runs/dpo_s0 runs/dpo_s1 runs/dpo_s2 \\
-        --table docs/runs/judge/baselines_seed0.json    # DPO's implicit judge near chance, paired
+    python -m tools.analysis.judge_baselines --sft runs/sft \
+        --out docs/runs/judge/rules_seed0.json          # the rules, the cpu preset's split
+    OMP_NUM_THREADS=1 python -m tools.analysis.judge_baselines \
+        --reward-model runs/reward_model --sft runs/sft --out F.json     # and the judge
+    python -m tools.analysis.judge_baselines --reward-model runs/reward_model \
+        --sft-from docs/runs/judge/rules_seed0.json --out F.json   # the SFT log-probs kept
+    python -m tools.analysis.judge_baselines --table F.json          # the page's tables
+    python -m tools.analysis.judge_baselines --dpo runs/dpo_s0 runs/dpo_s1 runs/dpo_s2 \
+        --table F.json              # DPO's implicit judge near chance, paired
 
 Rebuilds the judge's split of people's comparisons (from its config.json; a judge written
 before it saved its split gets the cpu preset's with its seed, and the file says so), then
@@ -89,7 +90,8 @@ def measure(args):
 def sft_from(path, fingerprint, n):
     """((n,), (n,)) log-probs, the SFT model's name and the CPU that computed them, from a
     kept file of the same split."""
-    with cli.reading(Path(path), "a file written by tools.analysis.judge_baselines --sft", KeyError):
+    what = "a file written by tools.analysis.judge_baselines --sft"
+    with cli.reading(Path(path), what, KeyError):
         kept = json.loads(Path(path).read_text())
         logp, sft = torch.tensor(kept["sft_logp"], dtype=torch.float64), kept["sft"]
     if kept["split_fingerprint"] != fingerprint or len(logp) != n:
@@ -171,7 +173,8 @@ def main(argv=None):
         print_dpo(args.dpo, args.table)
         return
     if args.table:
-        with cli.reading(Path(args.table), "a file written by tools.analysis.judge_baselines", KeyError):
+        what = "a file written by tools.analysis.judge_baselines"
+        with cli.reading(Path(args.table), what, KeyError):
             print(table(json.loads(Path(args.table).read_text())))
         return
     kept = measure(args)
