@@ -243,15 +243,18 @@ def test_the_sft_log_probs_come_back_from_a_kept_file_of_the_same_split_only(tmp
         tool.sft_from(path, "f2", 2)
 
 
-def test_the_readme_quotes_the_kept_file_that_reward_model_md_shows():
+def test_the_readme_and_the_pages_opening_quote_the_kept_file_it_shows():
     page = (ROOT / "docs" / "reward_model.md").read_text()
     path = re.search(r"<!-- python -m tools.analysis.judge_baselines --table (\S+) -->", page).group(1)
     every = json.loads((ROOT / path).read_text())["groups"]["all"]["accuracy"]
     line = next(l for l in (ROOT / "README.md").read_text().splitlines()
                 if "means little alone" in l)
+    start = page.index("That agreement means little alone")        # the page's own line
+    opening = page[start:page.index("Back to the [README]", start)]
     for scorer in ("system", "length", "content", "full"):
         if scorer in every:
             assert f"{every[scorer]['accuracy']:.3f}" in line, scorer
+            assert f"{every[scorer]['accuracy']:.3f}" in opening, scorer
 
 
 
