@@ -533,3 +533,10 @@ def test_reward_noise_is_read_on_the_objective_with_a_doubled_pooled_seed_varian
     assert row[5].startswith(("holds", "not resolved")) and "(1 seed: the seed variance pooled" in row[5]
     assert by_hand.se ** 2 > paired_interval({0: [-1.0, -0.9, -1.1, -1.0]},
                                              {0: [-0.5, 0.0, -0.5, 0.0]}).se ** 2
+
+
+def test_the_dpo_row_reads_the_rules_on_the_same_first_votes():
+    from tools.analysis.claims_sections import rules_on_first
+    kept = {"per_pair": {"system": [1.0, 1.0, 0.0, 1.0], "length": [0.5, 0.0, 1.0, 1.0]}}
+    assert rules_on_first(kept, 2) == {"system": 1.0, "length": 0.25}
+    assert rules_on_first(None, 2) is None

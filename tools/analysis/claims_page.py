@@ -16,6 +16,7 @@ Any seed the kept files hold is read; none is expected.
 Test: pytest tests/test_claims.py
 """
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -409,6 +410,8 @@ def main(argv=None):
                         help="write nothing; exit 1 if the page differs from what the files say")
     args = parser.parse_args(argv)
     runs, other = load(args.runs)
+    if sections.JUDGE_RULES.exists():
+        other["judge_rules"] = json.loads(sections.JUDGE_RULES.read_text())
     text = page(runs, other)
     out = Path(args.out)
     if args.check:

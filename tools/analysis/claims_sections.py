@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 RUNS = Path("docs/runs/claims")
 PAGE = Path("docs/claims.md")
+JUDGE_RULES = Path("docs/runs/judge/baselines_seed0.json")   # tools.analysis.judge_baselines
 DPO_BETAS = (0.05, 0.1, 0.5)   # dpo.py's β on seed 0; the best of them then on seeds 1, 2
 NOISE_SDS = (1, 3)    # --reward-noise, in the judge's SDs: `order_kept` says why these two
 
@@ -81,9 +82,32 @@ def dpo_reading(other):
     verdict += (f"; best β on seed 0 by the implicit judge: {best.split()[-1]}, "
                 + (f"{seed_list(later)} run" if later else
                    "seeds 1, 2 not yet run")) if best and not unrun else ""
+    n = runs[0]["final"]["judges"]["pairs"]
+    rules = rules_on_first(other.get("judge_rules"), n)
+    if rules:
+        implicit = [j["implicit"]["heldout_accuracy"] for j in judges]
+        where = ("within" if min(implicit) <= rules["system"] <= max(implicit) else
+                 "above" if rules["system"] > max(implicit) else "below")
+        verdict = ("not resolved: on these votes a rule that knows only which system wrote "
+                   f"each summary scores {rules['system']:.1%}, {where} the implicit judges' "
+                   f"{min(implicit):.1%} to {max(implicit):.1%}; "
+                   "the like-for-like runs that decide it are not yet run "
+                   "(docs/reward_model.md)")
     return Reading("; ".join(cells) + f"; the explicit judge (content) "
-                   f"{' / '.join(sorted(explicit))} on the same "
-                   f"{runs[0]['final']['judges']['pairs']} held-out pairs", [], verdict=verdict)
+                   f"{' / '.join(sorted(explicit))} on the same {n} held-out pairs"
+                   + ("; on those votes, the summary of the system that wins more of the "
+                      f"judge's training comparisons {rules['system']:.1%}, the longer "
+                      f"summary {rules['length']:.1%}" if rules else ""), [], verdict=verdict)
+
+
+def rules_on_first(kept, n):
+    """{rule: share of the first n held-out votes it gets right} from the kept file of
+    tools.analysis.judge_baselines (its votes in the split's order, dpo.py's first n), or
+    None without one."""
+    if not kept:
+        return None
+    votes = kept["per_pair"]
+    return {rule: sum(votes[rule][:n]) / n for rule in ("system", "length")}
 
 
 def best_of_n_on_one_basis(opt):
