@@ -54,6 +54,7 @@ from support import cli  # noqa: E402
 # Rank 0 alone runs ppo.py's held-out evaluation while the others wait at their next
 # collective: more than the default 10 minutes (NCCL) on a slow machine.
 TIMEOUT = timedelta(hours=2)
+FINISH = timedelta(seconds=10)    # the most a finished rank waits for the others at exit
 
 
 def setup():
@@ -82,12 +83,26 @@ def setup():
     else:
         backend = "gloo"
     dist.init_process_group(backend, timeout=TIMEOUT)
-    # Left to the interpreter's teardown, gloo's group once aborted a finished rank
-    # ("terminate called without an active exception"): destroyed first, on every exit.
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    atexit.register(finish)
     if rank() > 0:
         sys.stdout = open(os.devnull, "w")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
+def finish():
+    """The group's end, on every exit of a torchrun process (atexit): with gloo, wait for the
+    other ranks (at most FINISH: a rank that failed, or was killed, is not waited for longer),
+    then destroy the group while the interpreter is whole. Left to the interpreter's teardown,
+    or torn down while another rank still used it, gloo has aborted a rank whose work was
+    done ("terminate called without an active exception", twice in CI)."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=FINISH)
+        except Exception:       # a rank gone or late: whatever the barrier says, destroy
+            pass
+    dist.destroy_process_group()
 
 
 def rank():

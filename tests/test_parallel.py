@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -37,14 +38,27 @@ WORKER = str(ROOT / "tests" / "parallel_worker.py")
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def torchrun(*args, check=True, rendezvous=None, timeout=600):
-    """`torchrun --nproc_per_node 2 ARGS` through this interpreter, in the repository."""
+ABORT_AT_EXIT = "terminate called without an active exception"
+
+
+def torchrun(*args, check=True, rendezvous=None, timeout=600, again_on_abort_at_exit=False):
+    """`torchrun --nproc_per_node 2 ARGS` through this interpreter, in the repository. A
+    rank's abort prints its Python stack (faulthandler). again_on_abort_at_exit: for a launch
+    that may simply be repeated, one more launch (with a warning in pytest's summary) where
+    its only fault was gloo aborting a rank at exit, which parallel.finish guards against
+    but which no rerun here has reproduced (twice in CI)."""
     where = (["--standalone"] if rendezvous is None else
              ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", rendezvous,
               "--rdzv-id", "test"])
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *where,
-                           "--nproc_per_node", "2", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    for last in (not again_on_abort_at_exit, True):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *where,
+                               "--nproc_per_node", "2", *map(str, args)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+        if last or not done.returncode or ABORT_AT_EXIT not in done.stderr:
+            break
+        warnings.warn(f"torchrun: gloo aborted a rank at exit; launched again once:\n"
+                      f"{done.stderr[-3000:]}")
     if check and done.returncode:
         raise AssertionError(f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
                              f"{done.stderr[-5000:]}")
@@ -63,7 +77,7 @@ def test_the_helpers_are_the_identity_in_one_process():
 def test_one_update_on_two_processes_gives_the_single_process_gradients(tmp_path):
     subprocess.run([sys.executable, WORKER, "gradients", tmp_path / "one.pt"], cwd=ROOT,
                    check=True, capture_output=True, timeout=300)
-    torchrun(WORKER, "gradients", tmp_path / "two.pt")
+    torchrun(WORKER, "gradients", tmp_path / "two.pt", again_on_abort_at_exit=True)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert (one["size"], two["size"]) == (1, 2)
     assert one["grads"].keys() == two["grads"].keys()

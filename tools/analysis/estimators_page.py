@@ -47,7 +47,8 @@ def sentence(runs):
     iv = compare(rloo, ppo, "objective")
     said = {"holds": "RLOO ahead", "does not hold": "PPO ahead",
             "not resolved": "not resolved"}[verdict(iv, +1)]
-    return (f"On the kept runs of {machines(ppo, rloo)}, RLOO 2 x 4 against PPO at β = 0.1 "
+    cpus = " and ".join(sorted({r["machine"] for g in (ppo, rloo) for r in g.values()}))
+    return (f"On the kept runs, from {cpus}, RLOO 2 x 4 against PPO at β = 0.1 "
             f"on reward − β·KL held out: {pm(iv)} (95% interval, {iv.seeds} seeds a side): "
             f"{said}.")
 
