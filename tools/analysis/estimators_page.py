@@ -35,8 +35,8 @@ MEASURES = (("objective", "reward − β·KL", 2), ("reward", "judge", 2), ("mrr
             ("rouge_l", "ROUGE-L", 3))
 
 
-def machines(*groups):
-    return "; ".join(sorted({r["machine"] for g in groups for r in g.values()}))
+def machines(*groups, sep="; "):
+    return sep.join(sorted({r["machine"] for g in groups for r in g.values()}))
 
 
 def sentence(runs):
@@ -47,8 +47,7 @@ def sentence(runs):
     iv = compare(rloo, ppo, "objective")
     said = {"holds": "RLOO ahead", "does not hold": "PPO ahead",
             "not resolved": "not resolved"}[verdict(iv, +1)]
-    cpus = " and ".join(sorted({r["machine"] for g in (ppo, rloo) for r in g.values()}))
-    return (f"On the kept runs, from {cpus}, RLOO 2 x 4 against PPO at β = 0.1 "
+    return (f"On the kept runs, from {machines(ppo, rloo, sep=' and ')}, RLOO 2 x 4 against PPO at β = 0.1 "
             f"on reward − β·KL held out: {pm(iv)} (95% interval, {iv.seeds} seeds a side): "
             f"{said}.")
 
