@@ -230,7 +230,8 @@ def dpo_near_chance(runs, kept):
     kept: tools/analysis/judge_baselines.py's JSON, whose `near_chance` contrasts and split
     fingerprint decide the pairs. Per seed: the accuracies (B2) of implicit, content and
     full and implicit minus content and minus full (B3); pooled over the seeds:
-    support/intervals.py's one rule, seeds and pairs crossed.
+    support/intervals.py's one rule, seeds and pairs crossed; "votes": {scorer: {seed: (m,)
+    list}}, each pair's right-or-wrong, for an `intervals.paired_interval` of the caller's.
     A run with no per-pair data (or of another split) raises ValueError naming it.
     """
     near, seeds = set(kept["near_chance"]), []
@@ -253,7 +254,7 @@ def dpo_near_chance(runs, kept):
                       "implicit_minus_full": paired_interval(c["implicit"], c["full"])})
         for s, v in c.items():
             per_seed[s][seed] = v.tolist()
-    out = {"contrasts": sorted(near), "seeds": seeds}
+    out = {"contrasts": sorted(near), "seeds": seeds, "votes": per_seed}
     for s in ("content", "full"):
         # support/intervals.py's one rule over seeds and pairs (crossed, Satterthwaite's t)
         got = intervals.paired_interval(per_seed["implicit"], per_seed[s]) if seeds and \

@@ -404,28 +404,71 @@ def test_the_claims_page_from_kept_summaries(tmp_path):
     assert "does not hold: λ 1 against 0 holds; λ 0.95 against 0.5 does not hold" in lam_row
 
 
-def test_the_dpo_row_picks_beta_on_seed_0_and_judges_every_run():
-    from tools.analysis.claims_sections import dpo_reading
+def judged(beta, seed, accuracy, config=None, per_pair=None):
+    """A kept dpo.py summary as the DPO row reads it: the judges' accuracies on the pairs,
+    and with `per_pair` every vote's right-or-wrong (a run since issue 75)."""
+    interval = lambda acc: {"heldout_accuracy": acc, "wilson_low": acc - 0.08,  # noqa: E731
+                            "wilson_high": acc + 0.08}
+    judges = {"pairs": 4, "implicit": interval(accuracy), "content": interval(0.61)}
+    if per_pair:
+        judges.update(baselines={"per_pair": per_pair}, split_fingerprint="f1")
+    return {"config": {"beta": beta, "seed": seed, "steps": 30, "heldout_pairs": 128,
+                       "reward_model": "runs/reward_model", "out": f"runs/dpo_s{seed}",
+                       **(config or {})}, "final": {"judges": judges}}
 
-    def judged(beta, seed, low, high):
-        interval = lambda acc, lo, hi: {"heldout_accuracy": acc, "wilson_low": lo,  # noqa: E731
-                                        "wilson_high": hi}
-        return {"config": {"beta": beta, "seed": seed},
-                "final": {"judges": {"pairs": 128, "implicit": interval((low + high) / 2, low,
-                                                                        high),
-                                     "content": interval(0.61, 0.52, 0.69)}}}
-    runs = [judged(0.05, 0, 0.55, 0.70), judged(0.1, 0, 0.60, 0.78), judged(0.5, 0, 0.50, 0.66)]
-    reading = dpo_reading({f"dpo{i}": d for i, d in enumerate(runs)})
-    assert reading.verdict == ("not resolved: the Wilson intervals overlap; best β on seed 0 "
-                               "by the implicit judge: 0.1, seeds 1, 2 not yet run")
-    assert "β 0.05, seed 0: implicit 62.5% [55.0%, 70.0%]" in reading.measured
-    assert "the explicit judge (content) 61.0% [52.0%, 69.0%] on the same 128" in reading.measured
-    runs += [judged(0.1, 1, 0.70, 0.85), judged(0.1, 2, 0.62, 0.80)]
-    reading = dpo_reading({f"dpo{i}": d for i, d in enumerate(runs)})
-    assert reading.verdict.startswith("does not hold: the implicit judge is the more accurate")
-    assert reading.verdict.endswith("0.1, seeds 1, 2 run")
-    assert dpo_reading({"dpo": runs[1]}).verdict.endswith("β 0.05, 0.5 not yet run")
-    assert dpo_reading({}) is None
+
+def test_the_dpo_row_before_the_like_for_like_runs_is_not_resolved_beside_the_rules():
+    from tools.analysis.claims_page import CLAIMS, Page, dpo
+    claim = next(c for c in CLAIMS if c.read is dpo)
+    rules = {"per_pair": {"system": [1.0, 1.0, 0.0, 1.0, 0.0], "length": [0.5, 0, 1, 1, 0]},
+             "near_chance": ["C vs D"], "split_fingerprint": "f1"}
+    other = {f"dpo_{b}_{s}": judged(b, s, a) for b, s, a in
+             ((0.05, 0, 0.70), (0.1, 0, 0.80), (0.1, 1, 0.72))}
+    reading = dpo(claim, Page({}, {**other, "judge_rules": rules}, {}))
+    assert "β 0.05, seed 0: implicit 70.0% [62.0%, 78.0%]" in reading.measured
+    assert "the explicit judge (content) 61.0% [53.0%, 69.0%] on the same 4" in reading.measured
+    # the rules on the first 4 votes: system 3 of 4, length 2.5 of 4
+    assert "training comparisons 75.0%, the longer summary 62.5%" in reading.measured
+    assert reading.verdict == ("not resolved: the like-for-like runs that decide it are not "
+                               "yet kept; a rule that knows only which system wrote each "
+                               "summary scores 75.0%, within the implicit judges' 70.0% to "
+                               "80.0%")
+    assert dpo(claim, Page({}, {}, {})) is None
+
+
+def test_the_dpo_row_is_decided_by_the_like_for_like_runs_paired_on_the_near_chance_pairs():
+    from support.intervals import paired_interval
+    from tools.analysis.claims_page import CLAIMS, Page, decide, dpo
+    from tools.analysis.claims_runs import dpo_groups
+    claim = next(c for c in CLAIMS if c.read is dpo)
+    rules = {"near_chance": ["C vs D"], "split_fingerprint": "f1", "judge": "runs/rm"}
+    like = {"steps": 0, "heldout_pairs": 0, "reward_model": "runs/rm_human"}
+
+    def votes(implicit):
+        # pairs x and y near chance (y voted twice), z of the strong contrast
+        return {"pair": ["x", "y", "y", "z"], "contrast": ["C vs D", "C vs D", "C vs D", "A vs B"],
+                "implicit": implicit, "content": [1, 1, 1, 1], "full": [1, 0, 1, 0]}
+    other = {"dpo_old": judged(0.1, 0, 0.7),
+             **{f"dpo_human_s{s}": judged(0.1, s, 0.6, like, votes(v)) for s, v in
+                ((0, [0, 0, 0, 1]), (1, [1, 0, 1, 1]), (2, [0, 1, 0, 1]))}}
+    assert sorted(dpo_groups(other)) == [
+        "dpo.py --beta 0.1", "dpo.py --beta 0.1 --steps 0 --heldout-pairs 0 "
+        "--reward-model runs/rm_human"]
+    reading = dpo(claim, Page({}, {**other, "judge_rules": rules}, {}))
+    # per seed, distinct pairs (x, y): implicit [0, 0], [1, 1/2], [0, 1/2]; content [1, 1]
+    by_hand = paired_interval({0: [0, 0], 1: [1, 0.5], 2: [0, 0.5]}, {s: [1, 1] for s in range(3)})
+    part = reading.parts[0]
+    assert part.name == "below the content score" and part.direction == -1
+    assert part.interval.gain == pytest.approx(by_hand.gain) == pytest.approx(-2 / 3)
+    assert part.interval.se == pytest.approx(by_hand.se)
+    assert reading.measured.startswith(
+        "on the 2 distinct held-out pairs where neither the system nor the length rule "
+        "reaches 70% (C vs D): implicit 33.3%, explicit content 100.0%, full 75.0%; "
+        "implicit − content -66.7 ± ")
+    assert reading.measured.endswith("points (seeds 0, 1, 2)")
+    said, _ = decide(reading)
+    assert said.split(";")[0] in ("holds", "not resolved", "holds: below the content score "
+                                  "holds; below the full score not resolved")
 
 
 def test_a_kept_summary_keeps_numbers_and_words_not_texts():
@@ -533,10 +576,3 @@ def test_reward_noise_is_read_on_the_objective_with_a_doubled_pooled_seed_varian
     assert row[5].startswith(("holds", "not resolved")) and "(1 seed: the seed variance pooled" in row[5]
     assert by_hand.se ** 2 > paired_interval({0: [-1.0, -0.9, -1.1, -1.0]},
                                              {0: [-0.5, 0.0, -0.5, 0.0]}).se ** 2
-
-
-def test_the_dpo_row_reads_the_rules_on_the_same_first_votes():
-    from tools.analysis.claims_sections import rules_on_first
-    kept = {"per_pair": {"system": [1.0, 1.0, 0.0, 1.0], "length": [0.5, 0.0, 1.0, 1.0]}}
-    assert rules_on_first(kept, 2) == {"system": 1.0, "length": 0.25}
-    assert rules_on_first(None, 2) is None

@@ -24,14 +24,15 @@ from typing import Callable, NamedTuple
 from support import cli
 from support.disk import write_text
 from support.intervals import moved, paired_interval, verdict
+from support.judge_baselines import NEAR_CHANCE, dpo_near_chance
 from support.optimum import (best_of_n_weights, by_score, optimum_point,
                              self_normalised_kl)
 from support.tables import markdown_table
 from tools.analysis import claims_sections as sections
 from tools.analysis.claims_runs import (BETA, NAMES, RLOO, Part, Reading, bin_intervals,
-                                        bin_pools, cell, common, compare, doubled, load,
-                                        mean_of, over_sft, per_post, pools, seed_list,
-                                        seeds_needed, win_rate)
+                                        bin_pools, cell, common, compare, doubled,
+                                        dpo_groups, load, mean_of, over_sft, per_post, pm,
+                                        pools, seed_list, seeds_needed, win_rate)
 
 RUNS, PAGE = sections.RUNS, sections.PAGE
 PPO = "python ppo.py --beta 0.1"
@@ -290,13 +291,36 @@ def flip(claim, page):
 
 
 def dpo(claim, page):
-    return sections.dpo_reading(page.other)
+    """Like for like (issue 75): the DPO runs whose files keep every held-out vote (one pass
+    over the judge's training split of people's comparisons, beside a judge fitted on those
+    alone), their implicit judge (D1) against the explicit one they ran with, on the
+    distinct held-out pairs of the contrasts where neither the system nor the length rule
+    reaches NEAR_CHANCE (`judge_baselines.dpo_near_chance`), paired by seed and pair by
+    the one rule. Until they are kept, `sections.dpo_reading` of the cpu preset's runs."""
+    groups, rules = dpo_groups(page.other), page.other.get("judge_rules")
+    like = [d for g in groups.values() for d in g.values() if "baselines" in d["final"]["judges"]]
+    if not (like and rules):
+        return sections.dpo_reading(groups, rules)
+    got = dpo_near_chance(like, rules)
+    ivs = {s: paired_interval(got["votes"]["implicit"], got["votes"][s])
+           for s in ("content", "full")}
+    acc = {s: sum(x[s]["accuracy"] for x in got["seeds"]) / len(got["seeds"])
+           for s in ("implicit", "content", "full")}
+    return Reading(
+        f"on the {ivs['content'].posts} distinct held-out pairs where neither the system nor "
+        f"the length rule reaches {NEAR_CHANCE:.0%} ({', '.join(got['contrasts'])}): implicit "
+        f"{acc['implicit']:.1%}, explicit content {acc['content']:.1%}, full {acc['full']:.1%}"
+        f"; implicit − content {pm(ivs['content'], 1, 100)} points, implicit − full "
+        f"{pm(ivs['full'], 1, 100)} points ({seed_list([x['seed'] for x in got['seeds']])})",
+        [Part(f"below the {s} score", iv, -1) for s, iv in ivs.items()],
+        [(f"implicit − {s}", iv) for s, iv in ivs.items()])
 
 
 # ------------------------------------------------------------------------ the claims
 
 A, H, S = "004 (Ahmadian et al.)", "004 (Huang et al.)", "004 (Stiennon, Huang et al.)"
 RAFT = "--estimator raft --batch {} --samples-per-prompt {}"
+HUMAN = "--reference-pairs 0 --off-post-pairs 0"     # the judge on people's comparisons alone
 CLAIMS = [
     Claim("1", A, "λ from 1 to 0.95, 0.5 and 0: the reward falls in that order",
           f"{PPO} --lam {{1, 0.5, 0}} --seeds 0 1 2", read=lambdas),
@@ -317,8 +341,8 @@ CLAIMS = [
     Claim("3", A, "RAFT loses more reward than RLOO under reward noise",
           f"{PPO} {{{RLOO}, {RAFT.format(2, 4)}}} --reward-noise {{0, SD}}", read=noise),
     Claim("4", H, "DPO read as an implicit reward model is less accurate than the explicit "
-          "judge", f"python dpo.py --beta {{{', '.join(f'{b:g}' for b in sections.DPO_BETAS)}}}"
-          " --seed 0, then the best β --seed {1, 2}", read=dpo),
+          "judge", f"python reward_model.py {HUMAN} --out runs/rm_human; python dpo.py "
+          "--reward-model runs/rm_human --steps 0 --heldout-pairs 0 --seed {0, 1, 2}", read=dpo),
     Claim("5", S, "whitening the rewards gives shorter summaries", f"{PPO} --whiten-rewards",
           ("--whiten-rewards", ""), (("words", -1),)),
     Claim("5", S, "the value head from the judge", f"{PPO} --value-init reward",

@@ -38,6 +38,8 @@ BASE = {"beta": 0.1, "estimator": "gae", "batch": 8, "samples_per_prompt": 1, "l
         "whiten_rewards": False, "value_init": "post", "missing_eos_penalty": None,
         "value_clip": None, "vf_coef": 1.0, "target_kl": None, "ent_coef": 0.0,
         "ptx_coef": 0.0, "flip_sign": False, "reward": "content", "kl_estimator": "k1"}
+# dpo.py's cpu preset and default judge: a DPO run's setting is its beta and where it differs
+DPO_BASE = {"steps": 30, "heldout_pairs": 128, "reward_model": "runs/reward_model"}
 NAMES = {"reward": "judge", "objective": "reward − β·KL", "mrr": "MRR", "rouge_l": "ROUGE-L",
          "words": "words", "kl": "KL", "eos": "ends by itself", "copied_bigrams":
          "copied bigrams", "question": "questions"}
@@ -67,10 +69,11 @@ class Reading(NamedTuple):
 
 # ------------------------------------------------------------------------ the files
 
-def flags(config):
-    """The flags where a run's config differs from BASE, as a command writes them."""
+def flags(config, base=None):
+    """The flags where a run's config differs from `base` (default BASE), as a command
+    writes them."""
     out = []
-    for key, default in BASE.items():
+    for key, default in (base or BASE).items():
         value = config.get(key, default)
         if value == default:
             continue
@@ -100,12 +103,13 @@ def load(folder):
 
 
 def dpo_groups(other):
-    """The DPO runs ({"dpo.py --beta B": {seed: summary}}) among the other kept files."""
+    """The DPO runs ({"dpo.py --beta B [flags beside the cpu preset's]": {seed: summary}})
+    among the other kept files."""
     groups = {}
     for name, d in other.items():
         if name.startswith("dpo") and d.get("final"):
-            groups.setdefault(f"dpo.py --beta {d['config']['beta']:g}", {})[
-                d["config"]["seed"]] = d
+            setting = f"dpo.py --beta {d['config']['beta']:g} {flags(d['config'], DPO_BASE)}"
+            groups.setdefault(setting.strip(), {})[d["config"]["seed"]] = d
     return groups
 
 

@@ -15,7 +15,7 @@ from support.report import optimum_curves
 from support.sweep import judge_sd
 from support.tables import MEASURES, markdown_table
 from tools.analysis.claims_runs import (Reading, bin_intervals, bin_pools, dpo_groups,
-                                        held_back, mean_of, seed_list, settings_table,
+                                        held_back, mean_of, settings_table,
                                         sft_per_post, win_rate)
 from tools.analysis.length_bins import bin_rows, pool
 
@@ -25,7 +25,6 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 RUNS = Path("docs/runs/claims")
 PAGE = Path("docs/claims.md")
 JUDGE_RULES = Path("docs/runs/judge/baselines_seed0.json")   # tools.analysis.judge_baselines
-DPO_BETAS = (0.05, 0.1, 0.5)   # dpo.py's β on seed 0; the best of them then on seeds 1, 2
 NOISE_SDS = (1, 3)    # --reward-noise, in the judge's SDs: `order_kept` says why these two
 
 
@@ -50,64 +49,34 @@ def order_kept(sd):
 
 
 
-def dpo_reading(other):
-    """Item 4: each DPO run's implicit judge (D1) against the explicit judge's content score on
-    the same held-out pairs, by Wilson interval. The best beta is chosen on seed 0 by the
-    implicit judge's accuracy, so its later seeds are fresh draws of the chosen setting. The
-    kept files hold accuracies, not each pair's verdict, so this is not a paired gain; a
-    reader of per-pair numbers can take its place in the claim's record."""
-    groups = dpo_groups(other)
+def dpo_reading(groups, rules):
+    """The cpu preset's DPO runs (240 of the judge's training pairs, its first 128 held-out
+    votes), before the like-for-like runs that decide the claim: each implicit judge (D1)
+    beside the explicit judge's content score and, from `rules` (tools.analysis.judge_baselines'
+    kept file, votes in the split's order), the system and length rules on the same votes."""
     if not groups:
         return None
-    runs = [d for group in groups.values() for d in group.values()]
-    judges = [d["final"]["judges"] for d in runs]      # implicit, content, full; per run
-    explicit = {accuracy(j["content"]) for j in judges}
-    firsts = {name: group[0] for name, group in groups.items() if 0 in group}
-    best = max(firsts, key=lambda name: firsts[name]["final"]["judges"]["implicit"][
-        "heldout_accuracy"]) if firsts else None
-    cells = [f"β {name.split()[-1]}, seed {seed}: implicit "
-             f"{accuracy(d['final']['judges']['implicit'])}"
-             for name, group in sorted(groups.items(), key=lambda g: float(g[0].split()[-1]))
-             for seed, d in sorted(group.items())]
-    below = [j["implicit"]["wilson_high"] < j["content"]["wilson_low"] for j in judges]
-    above = [j["implicit"]["wilson_low"] > j["content"]["wilson_high"] for j in judges]
-    higher = all(j["implicit"]["heldout_accuracy"] > j["content"]["heldout_accuracy"]
-                 for j in judges)
-    verdict = ("holds" if all(below) else "does not hold: the implicit judge is the more "
-               "accurate" if any(above) else "not resolved: the Wilson intervals overlap"
-               + (" (the implicit judge is the higher in every run)" if higher else ""))
-    later = sorted(set(groups.get(best, {})) - {0})
-    unrun = [f"{b:g}" for b in DPO_BETAS if f"dpo.py --beta {b:g}" not in firsts]
-    verdict += f"; β {', '.join(unrun)} not yet run" * bool(unrun)
-    verdict += (f"; best β on seed 0 by the implicit judge: {best.split()[-1]}, "
-                + (f"{seed_list(later)} run" if later else
-                   "seeds 1, 2 not yet run")) if best and not unrun else ""
-    n = runs[0]["final"]["judges"]["pairs"]
-    rules = rules_on_first(other.get("judge_rules"), n)
+    runs = [(name, seed, d["final"]["judges"]) for name, group in sorted(groups.items())
+            for seed, d in sorted(group.items())]
+    n = runs[0][2]["pairs"]
+    implicit = [j["implicit"]["heldout_accuracy"] for _, _, j in runs]
+    text = "; ".join(f"β {name.split()[-1]}, seed {seed}: implicit {accuracy(j['implicit'])}"
+                     for name, seed, j in runs)
+    text += (f"; the explicit judge (content) "
+             f"{' / '.join(sorted({accuracy(j['content']) for _, _, j in runs}))} on the same "
+             f"{n} held-out pairs")
+    said = "not resolved: the like-for-like runs that decide it are not yet kept"
     if rules:
-        implicit = [j["implicit"]["heldout_accuracy"] for j in judges]
-        where = ("within" if min(implicit) <= rules["system"] <= max(implicit) else
-                 "above" if rules["system"] > max(implicit) else "below")
-        verdict = ("not resolved: on these votes a rule that knows only which system wrote "
-                   f"each summary scores {rules['system']:.1%}, {where} the implicit judges' "
-                   f"{min(implicit):.1%} to {max(implicit):.1%}; "
-                   "the like-for-like runs that decide it are not yet run "
-                   "(docs/reward_model.md)")
-    return Reading("; ".join(cells) + f"; the explicit judge (content) "
-                   f"{' / '.join(sorted(explicit))} on the same {n} held-out pairs"
-                   + ("; on those votes, the summary of the system that wins more of the "
-                      f"judge's training comparisons {rules['system']:.1%}, the longer "
-                      f"summary {rules['length']:.1%}" if rules else ""), [], verdict=verdict)
-
-
-def rules_on_first(kept, n):
-    """{rule: share of the first n held-out votes it gets right} from the kept file of
-    tools.analysis.judge_baselines (its votes in the split's order, dpo.py's first n), or
-    None without one."""
-    if not kept:
-        return None
-    votes = kept["per_pair"]
-    return {rule: sum(votes[rule][:n]) / n for rule in ("system", "length")}
+        votes = rules["per_pair"]
+        system, length = (sum(votes[r][:n]) / n for r in ("system", "length"))
+        text += (f"; on those votes, the summary of the system that wins more of the judge's "
+                 f"training comparisons {system:.1%}, the longer summary {length:.1%}")
+        where = ("within" if min(implicit) <= system <= max(implicit) else
+                 "above" if system > max(implicit) else "below")
+        said += (f"; a rule that knows only which system wrote each summary scores "
+                 f"{system:.1%}, {where} the implicit judges' {min(implicit):.1%} to "
+                 f"{max(implicit):.1%}")
+    return Reading(text, [], verdict=said)
 
 
 def best_of_n_on_one_basis(opt):
@@ -251,7 +220,6 @@ def details(page):
                                for k in ("top1", "top16", "entropy"))]
                       for name, part in (("the first", conc["first"]),
                                          ("after the first", conc["after_first"]))]), ""]
-    dpo = dpo_groups(other)
     if dpo:
         lines += ["## DPO", "",
                   "`python dpo.py --beta B --seed S`: the implicit judge (D1) against the "
