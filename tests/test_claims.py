@@ -283,7 +283,7 @@ def test_a_directional_claim_names_every_measure_that_moved_either_way():
 
 def test_the_seeds_column_says_how_many_would_resolve_or_none():
     from support.intervals import Interval
-    from tools.analysis.claims_page import decide
+    from tools.analysis.claims_runs import decide
     from tools.analysis.claims_runs import Part, Reading
 
     def iv(gain, s2_seed):
@@ -418,7 +418,8 @@ def judged(beta, seed, accuracy, config=None, per_pair=None):
 
 
 def test_the_dpo_row_before_the_like_for_like_runs_is_not_resolved_beside_the_rules():
-    from tools.analysis.claims_page import CLAIMS, Page, dpo
+    from tools.analysis.claims_page import CLAIMS, Page
+    from tools.analysis.claims_readers import dpo
     claim = next(c for c in CLAIMS if c.read is dpo)
     rules = {"per_pair": {"system": [1.0, 1.0, 0.0, 1.0, 0.0], "length": [0.5, 0, 1, 1, 0]},
              "near_chance": ["C vs D"], "split_fingerprint": "f1"}
@@ -438,8 +439,9 @@ def test_the_dpo_row_before_the_like_for_like_runs_is_not_resolved_beside_the_ru
 
 def test_the_dpo_row_is_decided_by_the_like_for_like_runs_paired_on_the_near_chance_pairs():
     from support.intervals import paired_interval
-    from tools.analysis.claims_page import CLAIMS, Page, decide, dpo
-    from tools.analysis.claims_runs import dpo_groups
+    from tools.analysis.claims_page import CLAIMS, Page
+    from tools.analysis.claims_readers import dpo
+    from tools.analysis.claims_runs import decide, dpo_groups
     claim = next(c for c in CLAIMS if c.read is dpo)
     rules = {"near_chance": ["C vs D"], "split_fingerprint": "f1", "judge": "runs/rm"}
     like = {"steps": 0, "heldout_pairs": 0, "reward_model": "runs/rm_human"}

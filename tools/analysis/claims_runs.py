@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from support import cli
-from support.intervals import (Interval, SeedVariance, paired_interval, seed_variance,
-                               seeds_to_resolve, table)
+from support.intervals import (Interval, SeedVariance, moved, paired_interval,
+                               seed_variance, seeds_to_resolve, table, verdict)
 from support.tables import markdown_table
 from tools.analysis.length_bins import EDGES, bin_name, bin_values
 
@@ -249,6 +249,46 @@ def bin_pools(runs):
                                     {j: [0.0] * len(x) for j, x in enumerate(values)}))
         out.append(seed_variance(tables))
     return out
+
+
+# ------------------------------------------------------------------------ the verdict
+
+def combine(words):
+    """One verdict of several: 'holds' if each holds, 'does not hold' if any does not."""
+    return ("holds" if all(w == "holds" for w in words) else
+            "does not hold" if "does not hold" in words else "not resolved")
+
+
+def decide(reading):
+    """(verdict, seeds to resolve) of a row from its parts' intervals alone (`verdict`,
+    `moved`), naming every measure shown that moved past its interval either way. A claim
+    with no direction is resolved where its measure moved."""
+    if reading.verdict:
+        return reading.verdict, reading.seeds or "n/a"
+    parts = reading.parts
+    if all(p.direction == 0 for p in parts):           # read on whether it moved at all
+        said, open_ = "no direction claimed", [p for p in parts if not moved(p.interval)]
+    else:
+        words = [verdict(p.interval, p.direction) for p in parts]
+        said = combine(words)
+        open_ = [p for p, w in zip(parts, words) if w == "not resolved"] * (
+            said == "not resolved")
+        if len(set(words)) > 1:
+            said += ": " + "; ".join(f"{p.name} {w}" for p, w in zip(parts, words))
+    went = [f"{name} {'up' if moved(iv) > 0 else 'down'}" for name, iv in reading.shown
+            if moved(iv)]
+    said += "; moved past its interval: " + ", ".join(went) if went else (
+        "; nothing shown moved past its interval" * bool(reading.shown))
+    one = [p.interval for p in parts if p.interval.seeds == 1]
+    if one:
+        said += (" (1 seed: the seed variance pooled from the page's comparisons of the "
+                 "same measure with several seeds)" if all(iv.seeds_counted for iv in one)
+                 else " (1 seed: posts only)")
+    if not open_:
+        return said, "—"
+    if len(open_) == 1:
+        return said, seeds_needed(open_[0].interval)
+    return said, "; ".join(f"{p.name}: {seeds_needed(p.interval)}" for p in open_)
 
 
 # ------------------------------------------------------------------------ the settings' table
