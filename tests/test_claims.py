@@ -538,6 +538,7 @@ def test_the_estimators_block_and_the_readme_sentence_are_the_kept_runs():
 
 def test_the_estimators_table_judges_each_setting_on_the_objective(tmp_path):
     from tools.analysis import estimators_page
+    from tools.analysis.claims_runs import compare, pm, pools
     rloo = {"estimator": "rloo", "batch": 2, "samples_per_prompt": 4}
     j = [0.05, -0.05, 0.1, -0.1]
     runs = {"": seeds(3, lambda s: fake_run(s, [0.0 + x * s for x in j], kl=[2.0] * 4)),
@@ -550,6 +551,13 @@ def test_the_estimators_table_judges_each_setting_on_the_objective(tmp_path):
     text = estimators_page.block(runs)
     assert "| 6 | -0.40 | 5.00 | -0.20 ± " in text and "| behind PPO | — |" in text
     assert "| REINFORCE (`--estimator reinforce`) | 0 |" in text and "not kept yet" in text
+    # a setting on one seed takes the page's pooled seed variance, and says so
+    runs["--estimator reinforce"] = {0: fake_run(0, [0.3, 0.1, 0.2, 0.0], {"estimator":
+                                                                      "reinforce"}, kl=[2.0] * 4)}
+    row = next(x for x in estimators_page.block(runs).splitlines() if "REINFORCE" in x)
+    assert "| 1 (1 seed: the seed variance pooled as on claims.md) |" in row
+    pooled = compare(runs["--estimator reinforce"], runs[""], "objective", pools(runs))
+    assert pooled.seeds_counted and f"| {pm(pooled)} |" in row
 
 
 def test_reward_noise_is_read_on_the_objective_with_a_doubled_pooled_seed_variance():

@@ -24,7 +24,7 @@ from support import cli
 from support.disk import write_text
 from support.intervals import verdict
 from support.tables import markdown_table
-from tools.analysis.claims_runs import RLOO, compare, load, mean_of, pm, seeds_needed
+from tools.analysis.claims_runs import RLOO, compare, load, mean_of, pm, pools, seeds_needed
 
 RUNS = Path("docs/runs/claims")
 PAGE = Path("docs/estimators.md")
@@ -54,7 +54,7 @@ def sentence(runs):
 
 def block(runs):
     """The Markdown between the markers: the table and its sentence."""
-    ppo = runs.get("")
+    ppo, pooled = runs.get(""), pools(runs)
     if not ppo:
         return "No PPO run at β = 0.1 is kept yet.\n"
     rows = [["PPO (`gae`, 8 x 1)", str(len(ppo)), f"{mean_of(ppo, 'objective'):+.2f}",
@@ -64,9 +64,10 @@ def block(runs):
         if not group:
             rows.append([f"{name} (`{setting}`)", "0", *[""] * 7, "not kept yet", ""])
             continue
-        ivs = [compare(group, ppo, m) for m, _, _ in MEASURES]
+        ivs = [compare(group, ppo, m, pooled) for m, _, _ in MEASURES]
         word = verdict(ivs[0], +1)
-        rows.append([f"{name} (`{setting}`)", str(len(group)),
+        one = " (1 seed: the seed variance pooled as on claims.md)" * (ivs[0].seeds == 1)
+        rows.append([f"{name} (`{setting}`)", str(len(group)) + one,
                      f"{mean_of(group, 'objective'):+.2f}", f"{mean_of(group, 'kl'):.2f}",
                      *(pm(iv, d) for iv, (_, _, d) in zip(ivs, MEASURES)),
                      {"holds": "ahead of PPO", "does not hold": "behind PPO"}.get(word, word),
