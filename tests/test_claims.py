@@ -468,9 +468,10 @@ def test_the_dpo_row_is_decided_by_the_like_for_like_runs_paired_on_the_near_cha
         "reaches 70% (C vs D): implicit 33.3%, explicit content 100.0%, full 75.0%; "
         "implicit − content -66.7 ± ")
     assert reading.measured.endswith("points (seeds 0, 1, 2)")
-    said, _ = decide(reading)
-    assert said.split(";")[0] in ("holds", "not resolved", "holds: below the content score "
-                                  "holds; below the full score not resolved")
+    # implicit - content -0.67, [-1.62, +0.28]; implicit - full -0.42, [-2.17, +1.33]
+    said, seeds = decide(reading)
+    assert said == "not resolved; nothing shown moved past its interval"
+    assert seeds.startswith("below the content score: ") and "below the full score: " in seeds
 
 
 def test_a_kept_summary_keeps_numbers_and_words_not_texts():
