@@ -128,8 +128,9 @@ def table(kept):
     return "\n".join(lines)
 
 
-def print_dpo(runs, kept_path):
-    """`judge_baselines.dpo_near_chance` of the runs against the kept file, a line a seed."""
+def dpo_lines(runs, kept_path):
+    """`judge_baselines.dpo_near_chance` of the runs (folders, results.json or kept summaries)
+    against the kept file: the contrasts, a line a seed, and the pooled differences."""
     kept = json.loads(Path(kept_path).read_text())
     loaded = []
     for run in runs:
@@ -140,16 +141,18 @@ def print_dpo(runs, kept_path):
         got = judge_baselines.dpo_near_chance(loaded, kept)
     except ValueError as error:
         raise cli.UserError(str(error)) from error
-    print(f"near chance: {', '.join(got['contrasts']) or 'no contrast, so no pair'}")
+    lines = [f"near chance: {', '.join(got['contrasts']) or 'no contrast, so no pair'}"]
     for s in got["seeds"]:
         d = s["implicit_minus_content"]
-        print(f"seed {s['seed']}: implicit {cell(s['implicit'])}, content {cell(s['content'])}, "
-              f"full {cell(s['full'])}; implicit - content {d['difference']:+.3f} "
-              f"[{d['low']:+.3f}, {d['high']:+.3f}] over {d['pairs']} distinct pairs")
+        lines.append(f"seed {s['seed']}: implicit {cell(s['implicit'])}, content "
+                     f"{cell(s['content'])}, full {cell(s['full'])}; implicit - content "
+                     f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] over "
+                     f"{d['pairs']} distinct pairs")
     for key in ("pooled_implicit_minus_content", "pooled_implicit_minus_full"):
         d = got[key]
-        print(f"{key.replace('_', ' ')} over {len(runs)} seeds: {d['difference']:+.3f} "
-              f"[{d['low']:+.3f}, {d['high']:+.3f}]")
+        lines.append(f"{key.replace('_', ' ')} over {len(runs)} seeds: {d['difference']:+.3f} "
+                     f"[{d['low']:+.3f}, {d['high']:+.3f}]")
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -170,7 +173,7 @@ def main(argv=None):
                         "one on the kept file's near-chance pairs")
     args = parser.parse_args(argv)
     if args.dpo and args.table:
-        print_dpo(args.dpo, args.table)
+        print(dpo_lines(args.dpo, args.table))
         return
     if args.table:
         what = "a file written by tools.analysis.judge_baselines"
