@@ -232,6 +232,24 @@ def test_reward_model_md_holds_the_table_the_tool_makes_from_the_kept_file():
         assert text == tool.table(json.loads((ROOT / path).read_text())), path
 
 
+def test_reward_model_md_holds_dpos_like_for_like_lines_from_the_kept_runs():
+    """The DPO block of docs/reward_model.md is `judge_baselines --dpo` on the kept like-for-like
+    runs it names, every one of them; 'not kept yet' only while none is kept."""
+    page = (ROOT / "docs" / "reward_model.md").read_text()
+    block = re.search(r"<!-- dpo like for like -->\n(.*?)\n<!-- end of the dpo lines -->",
+                      page, re.S).group(1)
+    kept = sorted((ROOT / "docs" / "runs" / "claims").glob("dpo_human_s*.json"))
+    if not kept:
+        assert block == "DPO's runs are not kept yet."
+        return
+    command, _, lines = block.partition("\n\n")
+    runs = re.search(r"--dpo (.*?) --table", command).group(1).split()
+    table = re.search(r"--table (\S+)", command).group(1)
+    assert sorted(ROOT / r for r in runs) == kept
+    expected = tool.dpo_lines([ROOT / r for r in runs], ROOT / table)
+    assert lines == "\n".join("    " + x for x in expected.splitlines())
+
+
 def test_the_sft_log_probs_come_back_from_a_kept_file_of_the_same_split_only(tmp_path):
     path = tmp_path / "kept.json"
     path.write_text(json.dumps({"split_fingerprint": "f1", "sft": "runs/sft",
