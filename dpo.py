@@ -64,6 +64,7 @@ from lora import save_adapter, with_lora
 from support import cli, disk, judge_baselines, rm_data
 from support.config import option, read_config
 from support.heldout import keep_for_judge, policy_row, reference_and_human, write_samples_page
+from support.kept import machine
 from support.quality import words
 from support.report import check_finite, gradients, print_row, print_row_header
 from support.rm_data import pad
@@ -353,7 +354,7 @@ def run(cfg, staging, start):
     final["words"] = sum(len(words(s["text"])) for s in samples) / len(samples)
     results = {"config": dataclasses.asdict(cfg), "train_pairs": len(train_pairs),
                "steps": total_steps(cfg, len(train_pairs)), "curve": curve, "final": final,
-               "seconds": time.time() - start}
+               "seconds": time.time() - start, "machine": machine()}
     with cli.writing(cfg.out):                  # a full disk: one line, --out as it was
         disk.write_json(staging / "results.json", results)
         save_adapter(policy, staging / "adapter.safetensors")   # not needed by the summary

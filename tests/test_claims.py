@@ -460,7 +460,7 @@ def test_the_dpo_row_is_decided_by_the_like_for_like_runs_paired_on_the_near_cha
     # per seed, distinct pairs (x, y): implicit [0, 0], [1, 1/2], [0, 1/2]; content [1, 1]
     by_hand = paired_interval({0: [0, 0], 1: [1, 0.5], 2: [0, 0.5]}, {s: [1, 1] for s in range(3)})
     part = reading.parts[0]
-    assert part.name == "below the content score" and part.direction == -1
+    assert part.name == "implicit against the content score" and part.direction == -1
     assert part.interval.gain == pytest.approx(by_hand.gain) == pytest.approx(-2 / 3)
     assert part.interval.se == pytest.approx(by_hand.se)
     assert reading.measured.startswith(
@@ -471,7 +471,7 @@ def test_the_dpo_row_is_decided_by_the_like_for_like_runs_paired_on_the_near_cha
     # implicit - content -0.67, [-1.62, +0.28]; implicit - full -0.42, [-2.17, +1.33]
     said, seeds = decide(reading)
     assert said == "not resolved; nothing shown moved past its interval"
-    assert seeds.startswith("below the content score: ") and "below the full score: " in seeds
+    assert seeds.startswith("implicit against the content score: ") and ": " in seeds
 
 
 def test_a_kept_summary_keeps_numbers_and_words_not_texts():

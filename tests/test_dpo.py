@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 import dpo  # noqa: E402
 from lora import with_lora  # noqa: E402
 from support import cli  # noqa: E402
+from support.kept import machine  # noqa: E402
 
 BETA = 0.1
 
@@ -158,6 +159,7 @@ def test_tiny_preset_end_to_end(tiny_judge, data_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     assert [row["step"] for row in results["curve"]] == [2, 4]
+    assert results["machine"] == machine()          # the CPU a kept copy names
     assert all(set(row) == {"step", *dpo.CURVE} for row in results["curve"])
     final = results["final"]
     judges = final["judges"]

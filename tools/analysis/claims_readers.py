@@ -213,5 +213,5 @@ def dpo(claim, page):
         f"{acc['implicit']:.1%}, explicit content {acc['content']:.1%}, full {acc['full']:.1%}"
         f"; implicit − content {pm(ivs['content'], 1, 100)} points, implicit − full "
         f"{pm(ivs['full'], 1, 100)} points ({seed_list([x['seed'] for x in got['seeds']])})",
-        [Part(f"below the {s} score", iv, -1) for s, iv in ivs.items()],
+        [Part(f"implicit against the {s} score", iv, -1) for s, iv in ivs.items()],
         [(f"implicit − {s}", iv) for s, iv in ivs.items()])
